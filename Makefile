@@ -1,0 +1,41 @@
+# Every target runs inside the project-local virtualenv at .venv, created on first use.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# The venv is rebuilt whenever the dependency list changes.
+VENV_STAMP := $(VENV)/.stamp-$(shell sha1sum pyproject.toml | cut -c1-12)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help venv lint test unit demo crd clean
+
+help:
+	@echo "make demo   - local control plane + operator + built-in model, end to end"
+	@echo "make test   - lint and every test (builds what is missing)"
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[runtime,test]'
+	@rm -f $(VENV)/.stamp-* && touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+unit: venv
+	$(BIN)/pytest -m "not cluster"
+
+test: venv lint
+	$(BIN)/pytest
+
+crd: venv
+	$(BIN)/sovereign-operator crd > crds/sovereign.ai_llmdeployments.yaml
+
+demo: venv
+	@echo "demo: not wired yet"
+
+clean:
+	rm -rf $(VENV) .cache .cluster

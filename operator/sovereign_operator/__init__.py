@@ -1,0 +1,1 @@
+"""Sovereign operator: LLMDeployment API, rendering, autoscaling and kopf handlers."""

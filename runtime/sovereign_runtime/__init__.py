@@ -1,0 +1,1 @@
+"""Sovereign runtime: DeepSeek-V3 MLA inference engine, OpenAI server and PD router."""

@@ -1,0 +1,59 @@
+"""The one explicit context object that carries attention metadata for a forward pass.
+
+The engine's model runner builds an ``AttentionMetadata`` for each step and installs it with
+``attention_context(meta)``; attention layers read it with ``get_attention_metadata()``. Layers hold no
+other global state.
+
+A step processes a flattened batch: the *new* tokens of every scheduled sequence, concatenated. A
+sequence may contribute one token (decode), a whole prompt, or a chunk of a prompt whose earlier part
+is already in the paged cache (chunked prefill, radix-cache hit). Every sequence's new tokens occupy
+positions ``[context_len - query_len, context_len)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens] int64: absolute position of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token writes (block * block_size + offset)
+    query_start_loc: torch.Tensor  # [batch + 1] int32: prefix sums of new-token counts per sequence
+    context_lens: torch.Tensor  # [batch] int32: tokens in the cache for each sequence after this step
+    block_tables: torch.Tensor  # [batch, max_blocks] int32: physical block ids, padded with -1
+    max_query_len: int
+    max_context_len: int
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence contributes exactly one new token (the absorbed decode kernel applies)."""
+        return self.max_query_len == 1
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("no attention context installed: run the model through attention_context(meta)")
+    return _current
+
+
+@contextmanager
+def attention_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield meta
+    finally:
+        _current = previous
