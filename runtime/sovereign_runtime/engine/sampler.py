@@ -1,0 +1,102 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+One call handles a whole batch with tensor ops; the only per-row Python work is drawing the noise for
+seeded requests from their own ``torch.Generator`` (that is what makes a seeded request reproducible
+regardless of what it is batched with).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Log-probability of each chosen token under the model's (untempered) distribution; None where the
+    # request did not ask for logprobs.
+    logprobs: list[float | None]
+    # The ``params.logprobs`` most likely (token, logprob) pairs per row, or None.
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (float32 ``[rows, vocab]``)."""
+        rows = logits.shape[0]
+        assert len(params) == rows == len(generators)
+        greedy = [p.temperature == 0.0 for p in params]
+        chosen = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, params, generators, greedy)
+        token_ids = chosen.tolist()
+
+        want = [p.logprobs for p in params]
+        logprobs: list[float | None] = [None] * rows
+        top: list[list[tuple[int, float]] | None] = [None] * rows
+        if any(n is not None for n in want):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            chosen_lp = logp.gather(1, chosen.view(-1, 1)).view(-1).tolist()
+            max_n = max(n for n in want if n is not None)
+            if max_n > 0:
+                top_vals, top_ids = logp.topk(max_n, dim=-1)
+                top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+            for i, n in enumerate(want):
+                if n is None:
+                    continue
+                logprobs[i] = chosen_lp[i]
+                top[i] = list(zip(top_ids_l[i][:n], top_vals_l[i][:n], strict=True)) if n > 0 else []
+        return SamplerOutput(token_ids, logprobs, top)
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        _rows, vocab = logits.shape
+        device = logits.device
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        scaled = logits.float() / temps.view(-1, 1)
+        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_ps = [p.top_p for p in params]
+        filtered = any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps)
+        if filtered:
+            # Work in sorted order: top-k is a rank cut, top-p a cumulative-mass cut; both keep rank 0.
+            scaled, order = scaled.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device).view(1, -1)
+            drop = ranks >= torch.tensor(top_ks, device=device).view(-1, 1)
+            probs = torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before > torch.tensor(top_ps, device=device).view(-1, 1)
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        # Gumbel-style draw: argmax(p / E) with E ~ Exp(1) samples from p, and lets each row use its own
+        # generator without a per-row multinomial call.
+        noise = torch.empty_like(probs).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None and not greedy[i]:
+                noise[i].exponential_(generator=g)
+        picked = (probs / noise).argmax(dim=-1)
+        if filtered:
+            picked = order.gather(1, picked.view(-1, 1)).view(-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=device)
+            picked = torch.where(mask, logits.argmax(dim=-1), picked)
+        return picked
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

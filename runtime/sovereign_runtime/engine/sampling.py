@@ -1,0 +1,82 @@
+"""Per-request sampling parameters, validated at the edge so the hot loop can trust them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Generous but finite: a client asking for more is almost certainly a bug.
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` disable those filters.
+    ``logprobs=None`` returns none; ``logprobs=n`` returns the chosen token's log-probability plus the
+    ``n`` most likely alternatives. Stop *strings* are the server's job (it sees the text).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_number("temperature", self.temperature, float)
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        _check_number("top_p", self.top_p, float)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("top_k", self.top_k, int)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_number("max_tokens", self.max_tokens, int)
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        _check_number("min_tokens", self.min_tokens, int)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.seed is not None:
+            _check_number("seed", self.seed, int)
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+            )
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_number("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_number(name: str, value: object, kind: type) -> None:
+    # bool is an int subclass; reject it so `temperature=True` is a clear error, not 1.0.
+    ok = isinstance(value, int | float) if kind is float else isinstance(value, int)
+    if not ok or isinstance(value, bool):
+        want = "a number" if kind is float else "an integer"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
