@@ -1,0 +1,158 @@
+"""Generate the LLMDeployment CustomResourceDefinition from the pydantic models.
+
+Pydantic writes JSON Schema (2020-12, with $defs, anyOf for optionals, titles); the apiserver wants
+a structural OpenAPI v3 schema. `structural` closes that gap: it inlines references, turns
+`X | None` into an optional X, turns `int | str` into int-or-string, drops what OpenAPI v3 does not
+know, and marks free-form maps (`dict[str, Any]`) with `x-kubernetes-preserve-unknown-fields`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sovereign_operator.api.spec import LLMDeploymentSpec
+from sovereign_operator.api.status import LLMDeploymentStatus
+
+GROUP = "sovereign.ai"
+VERSION = "v1alpha1"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ["llmd"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+_DROPPED_KEYS = {"title", "$defs", "additionalProperties", "anyOf", "$ref", "const"}
+
+
+def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Convert one pydantic JSON Schema node into a structural OpenAPI v3 node."""
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        outer = {k: v for k, v in schema.items() if k != "$ref"}
+        return structural({**target, **outer}, defs)
+    if "anyOf" in schema:
+        variants = [v for v in schema["anyOf"] if v.get("type") != "null"]
+        outer = {k: v for k, v in schema.items() if k != "anyOf"}
+        if len(variants) == 1:
+            return structural({**variants[0], **outer}, defs)
+        types = {v.get("type") for v in variants}
+        if types == {"integer", "string"}:
+            node = _common(outer)
+            node["x-kubernetes-int-or-string"] = True
+            return node
+        raise ValueError(f"cannot express anyOf {variants} structurally")
+
+    node = _common(schema)
+    kind = schema.get("type")
+    if kind is None:
+        raise ValueError(f"schema node without a type: {schema}")
+    node["type"] = kind
+    if "const" in schema:
+        node["enum"] = [schema["const"]]
+    if kind == "object":
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        if properties:
+            node["properties"] = {name: structural(sub, defs) for name, sub in properties.items()}
+            if schema.get("required"):
+                node["required"] = list(schema["required"])
+        elif isinstance(extra, dict) and extra:
+            node["additionalProperties"] = structural(extra, defs)
+        else:
+            # dict[str, Any]: a free-form Kubernetes object (affinity, valueFrom).
+            node["x-kubernetes-preserve-unknown-fields"] = True
+    elif kind == "array":
+        node["items"] = structural(schema["items"], defs)
+    return node
+
+
+def _common(schema: dict[str, Any]) -> dict[str, Any]:
+    """Copy the keys OpenAPI v3 shares with JSON Schema, in a fixed order."""
+    node: dict[str, Any] = {}
+    for key in ("description", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern"):
+        if key in schema:
+            node[key] = schema[key]
+    for key in ("minItems", "maxItems", "x-kubernetes-validations"):
+        if key in schema:
+            node[key] = schema[key]
+    # JSON Schema 2020 numeric exclusive bounds become OpenAPI v3 boolean flags.
+    if "exclusiveMinimum" in schema:
+        node["minimum"], node["exclusiveMinimum"] = schema["exclusiveMinimum"], True
+    if "exclusiveMaximum" in schema:
+        node["maximum"], node["exclusiveMaximum"] = schema["exclusiveMaximum"], True
+    if schema.get("default") is not None:
+        node["default"] = schema["default"]
+    return node
+
+
+def _schema_of(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")  # type: ignore[attr-defined]
+    return structural(raw, raw.get("$defs", {}))
+
+
+def openapi_schema() -> dict[str, Any]:
+    spec = _schema_of(LLMDeploymentSpec)
+    status = _schema_of(LLMDeploymentStatus)
+    status.pop("description", None)
+    return {
+        "type": "object",
+        "description": "LLMDeployment serves one LLM with prefill/decode pools behind a router.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
+PRINTER_COLUMNS = [
+    {"name": "Mode", "type": "string", "jsonPath": ".status.mode"},
+    {
+        "name": "Prefill",
+        "type": "string",
+        "jsonPath": ".status.prefillReplicas",
+        "description": "ready/desired",
+    },
+    {
+        "name": "Decode",
+        "type": "string",
+        "jsonPath": ".status.decodeReplicas",
+        "description": "ready/desired",
+    },
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def custom_resource_definition() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["sovereign"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
+        },
+    }

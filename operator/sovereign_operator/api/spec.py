@@ -1,0 +1,337 @@
+"""The `spec` of an LLMDeployment: the one source of truth for the CRD schema and for rendering.
+
+The common case fits one screen: a model and where its weights live, a runtime image with a
+tensor-parallel size, and the pools. Everything else has a default an operator of DeepSeek-class
+models would pick.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from sovereign_operator.api.base import ApiModel
+from sovereign_operator.api.rules import CrossFieldRule
+
+DEFAULT_RUNTIME_IMAGE = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
+DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+BUILTIN_MODELS = ("sovereign-tiny",)
+
+Mode = Literal["unified", "disaggregated", "auto"]
+Precision = Literal["fp8", "bf16", "fp32"]
+# A Kubernetes quantity: "500m", "16Gi" or a plain integer.
+Quantity = int | str
+
+
+class ResourceRequirements(ApiModel):
+    """Container resources, as in a Pod: quantities by resource name."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class Toleration(ApiModel):
+    """A Pod toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(ApiModel):
+    """A container environment variable; `valueFrom` takes any Kubernetes EnvVarSource."""
+
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+class PVCSource(ApiModel):
+    """Weights on a PersistentVolumeClaim, mounted read-only."""
+
+    claim_name: str = Field(min_length=1)
+    path: str = Field("", description="Directory of the checkpoint inside the volume.")
+
+
+class HostPathSource(ApiModel):
+    """Weights in a directory on the node."""
+
+    path: str = Field(min_length=1, pattern=r"^/")
+
+
+class ImageSource(ApiModel):
+    """Weights in an OCI image, mounted as a Kubernetes image volume (Kubernetes 1.31+)."""
+
+    reference: str = Field(min_length=1)
+    path: str = Field("", description="Directory of the checkpoint inside the image.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+def _count_sources(source: ModelSource) -> int:
+    return sum(x is not None for x in (source.pvc, source.host_path, source.image, source.builtin))
+
+
+class ModelSource(ApiModel):
+    """Where the weights come from: exactly one of pvc, hostPath, image, builtin."""
+
+    pvc: PVCSource | None = None
+    host_path: HostPathSource | None = None
+    image: ImageSource | None = None
+    builtin: Literal["sovereign-tiny"] | None = Field(
+        None, description="A model bundled with the runtime (demos and tests; runs on CPU)."
+    )
+
+    RULES = (
+        CrossFieldRule(
+            cel="(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0)"
+            " + (has(self.builtin) ? 1 : 0) == 1",
+            message="set exactly one of pvc, hostPath, image or builtin",
+            holds=lambda s: _count_sources(s) == 1,
+        ),
+    )
+
+
+class ModelSpec(ApiModel):
+    """The model to serve."""
+
+    name: str = Field(min_length=1, description="The model name clients send (served model name).")
+    source: ModelSource
+    precision: Precision = Field("bf16", description="Precision of the checkpoint's weights.")
+    parameters_billions: float | None = Field(
+        None, ge=0, description="Parameter count in billions; sizes memory and the startup budget."
+    )
+    weights_gib: float | None = Field(
+        None,
+        ge=0,
+        alias="weightsGiB",
+        description="Size of the checkpoint in GiB; preferred over parametersBillions when set.",
+    )
+
+    RULES = (
+        CrossFieldRule(
+            cel="has(self.source.builtin) || has(self.parametersBillions) || has(self.weightsGiB)",
+            message="set parametersBillions or weightsGiB so the operator can size the startup budget",
+            holds=lambda m: (
+                m.source.builtin is not None or m.parameters_billions is not None or m.weights_gib is not None
+            ),
+        ),
+    )
+
+
+# ---- runtime and pools -------------------------------------------------------------------------
+
+
+class RuntimeSpec(ApiModel):
+    """The inference runtime every worker pod runs."""
+
+    image: str = Field(DEFAULT_RUNTIME_IMAGE, min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    device: Literal["gpu", "cpu"] | None = Field(
+        None, description="gpu requests nvidia.com/gpu = tensorParallelSize; default gpu, cpu for builtin."
+    )
+    args: list[str] = Field(default_factory=list, max_length=128, description="Extra `serve` arguments.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    resources: ResourceRequirements | None = Field(None, description="Defaults for every worker pod.")
+    drain_timeout_seconds: int = Field(
+        120, ge=0, le=3600, description="How long a stopping pod waits for in-flight requests."
+    )
+
+
+class PoolAutoscaling(ApiModel):
+    """Bounds and targets for the pool's autoscaler; it decides replicas and records them in status."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(ge=1)
+    ttft_target_ms: int | None = Field(None, ge=1, description="Time-to-first-token target (p90).")
+    itl_target_ms: int | None = Field(None, ge=1, description="Inter-token-latency target (p90).")
+    kv_cache_usage_target: float | None = Field(None, ge=0.05, le=1)
+    waiting_requests_target: int | None = Field(None, ge=1, description="Queued requests per replica.")
+
+    RULES = (
+        CrossFieldRule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="minReplicas must be less than or equal to maxReplicas",
+            holds=lambda a: a.min_replicas <= a.max_replicas,
+        ),
+    )
+
+
+class PoolSpec(ApiModel):
+    """A pool of runtime workers: either fixed `replicas` or `autoscaling` bounds, not both."""
+
+    replicas: int | None = Field(None, ge=0, le=1024, description="Fixed size; 1 when neither is set.")
+    autoscaling: PoolAutoscaling | None = None
+    resources: ResourceRequirements | None = Field(None, description="Merged over runtime.resources.")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    affinity: dict[str, Any] | None = Field(None, description="A Kubernetes Affinity.")
+
+    RULES = (
+        CrossFieldRule(
+            cel="!(has(self.replicas) && has(self.autoscaling))",
+            message="set either replicas or autoscaling, not both: the autoscaler owns the replica count",
+            holds=lambda p: p.replicas is None or p.autoscaling is None,
+        ),
+    )
+
+
+class RouterSpec(ApiModel):
+    """The PD-aware router: the OpenAI endpoint of the deployment."""
+
+    replicas: int = Field(1, ge=1, le=64)
+    policy: Literal["cache-aware", "least-load", "round-robin"] = "cache-aware"
+    disaggregation_threshold_tokens: int | None = Field(
+        None, ge=0, description="Prompts shorter than this skip the prefill pool (disaggregated mode)."
+    )
+    resources: ResourceRequirements | None = None
+
+
+# ---- networking, startup, autoscaling ----------------------------------------------------------
+
+
+class RDMASpec(ApiModel):
+    """RDMA for the KV-cache transfer between prefill and decode pods."""
+
+    enabled: Literal["auto", "true", "false"] = Field(
+        "auto", description='"auto" uses RDMA when nodes advertise resourceName. Quote true/false in YAML.'
+    )
+    resource_name: str = Field(DEFAULT_RDMA_RESOURCE, min_length=1)
+    count: int = Field(1, ge=0, le=64)
+    networks: list[str] = Field(
+        default_factory=list, max_length=16, description="Multus NetworkAttachmentDefinition names."
+    )
+
+    RULES = (
+        CrossFieldRule(
+            cel="self.enabled == 'false' || self.count >= 1",
+            message="count must be at least 1 when RDMA is enabled or auto",
+            holds=lambda r: r.enabled == "false" or r.count >= 1,
+        ),
+    )
+
+
+class NetworkingSpec(ApiModel):
+    rdma: RDMASpec = Field(default_factory=RDMASpec)
+
+
+class PVCRef(ApiModel):
+    claim_name: str = Field(min_length=1)
+
+
+class EmptyDirCache(ApiModel):
+    size_limit: Quantity = "20Gi"
+
+
+class JitCacheSpec(ApiModel):
+    """Where compiled kernels live. A PVC (ReadWriteMany) persists them across restarts."""
+
+    pvc: PVCRef | None = None
+    empty_dir: EmptyDirCache | None = None
+
+    RULES = (
+        CrossFieldRule(
+            cel="has(self.pvc) != has(self.emptyDir)",
+            message="set exactly one of pvc or emptyDir",
+            holds=lambda j: (j.pvc is None) != (j.empty_dir is None),
+        ),
+    )
+
+
+class StartupSpec(ApiModel):
+    """Startup planning; see docs/startup.md for the budget formula."""
+
+    budget_seconds: int | None = Field(None, ge=10, le=86400, description="Overrides the computed budget.")
+    read_bandwidth_mibps: int = Field(
+        1000, ge=1, alias="readBandwidthMiBps", description="Weight read bandwidth per pod."
+    )
+    jit_cache: JitCacheSpec | None = None
+
+
+class MetricsSource(ApiModel):
+    source: Literal["pods", "prometheus"] = "pods"
+    prometheus_url: str | None = None
+
+    RULES = (
+        CrossFieldRule(
+            cel="self.source != 'prometheus' || has(self.prometheusUrl)",
+            message="prometheusUrl is required when source is prometheus",
+            holds=lambda m: m.source != "prometheus" or m.prometheus_url is not None,
+        ),
+    )
+
+
+class RatioBounds(ApiModel):
+    min: float = Field(ge=0)
+    max: float = Field(ge=0)
+
+    RULES = (
+        CrossFieldRule(
+            cel="self.min <= self.max",
+            message="min must be less than or equal to max",
+            holds=lambda r: r.min <= r.max,
+        ),
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """Deployment-wide autoscaler settings; per-pool bounds live in prefill/decode.autoscaling."""
+
+    metrics: MetricsSource = Field(default_factory=MetricsSource)
+    prefill_decode_ratio: RatioBounds | None = Field(None, description="Bounds on prefill/decode replicas.")
+    scale_up_stabilization_seconds: int = Field(180, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
+    interval_seconds: int = Field(30, ge=5, le=3600)
+
+
+# ---- the whole spec ----------------------------------------------------------------------------
+
+
+class LLMDeploymentSpec(ApiModel):
+    """One model served by prefill/decode (or one unified) pool(s) behind a router.
+
+    In unified mode (set, or resolved from auto) the single pool is configured by `decode`.
+    """
+
+    model: ModelSpec
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    mode: Mode = Field(
+        "auto", description="auto: disaggregated when nodes advertise the RDMA resource, else unified."
+    )
+    prefill: PoolSpec | None = None
+    decode: PoolSpec | None = None
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    networking: NetworkingSpec = Field(default_factory=NetworkingSpec)
+    startup: StartupSpec = Field(default_factory=StartupSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+
+    RULES = (
+        CrossFieldRule(
+            cel="self.mode != 'disaggregated' || (has(self.prefill) && has(self.decode))",
+            message="mode disaggregated needs both the prefill and the decode pool",
+            holds=lambda s: s.mode != "disaggregated" or (s.prefill is not None and s.decode is not None),
+        ),
+        CrossFieldRule(
+            cel="self.mode != 'unified' || !has(self.prefill)",
+            message="mode unified runs one pool configured by decode; remove prefill or use mode"
+            " disaggregated or auto",
+            holds=lambda s: s.mode != "unified" or s.prefill is None,
+        ),
+        CrossFieldRule(
+            cel="!has(self.model.source.builtin) || !has(self.runtime)"
+            " || !has(self.runtime.tensorParallelSize) || self.runtime.tensorParallelSize == 1",
+            message="the builtin model runs on one CPU process: runtime.tensorParallelSize must be 1",
+            holds=lambda s: s.model.source.builtin is None or s.runtime.tensor_parallel_size == 1,
+        ),
+    )
+
+    def uses_gpu(self) -> bool:
+        if self.runtime.device is not None:
+            return self.runtime.device == "gpu"
+        return self.model.source.builtin is None

@@ -1,0 +1,185 @@
+"""The API models, the generated CRD, and the CEL rules agreeing with pydantic."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
+from pydantic import ValidationError
+from sovereign_operator import yamlio
+from sovereign_operator.api import LLMDeploymentSpec, custom_resource_definition
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "crds" / "sovereign.ai_llmdeployments.yaml"
+
+
+def _schema() -> dict[str, Any]:
+    return custom_resource_definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_committed_crd_matches_the_models() -> None:
+    generated = yamlio.dump(custom_resource_definition())
+    assert CRD_FILE.read_text() == generated, "CRD drifted: run `make crd` and commit the result"
+
+
+def test_crd_names_and_subresources() -> None:
+    crd = custom_resource_definition()
+    assert crd["metadata"]["name"] == "llmdeployments.sovereign.ai"
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == (
+        "LLMDeployment",
+        "llmdeployments",
+        ["llmd"],
+    )
+    assert crd["spec"]["scope"] == "Namespaced"
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns[:4] == ["Mode", "Prefill", "Decode", "Ready"] and columns[-1] == "Age"
+
+
+def _walk(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    found = [(path, node)]
+    for name, child in node.get("properties", {}).items():
+        found += _walk(child, f"{path}.{name}")
+    if "items" in node:
+        found += _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        found += _walk(node["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+def test_schema_is_structural() -> None:
+    for path, node in _walk(_schema(), ""):
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
+        escape = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+        assert "type" in node or escape, f"{path} has no type"
+        assert not ("properties" in node and "additionalProperties" in node), path
+
+
+def test_schema_carries_enums_minimums_and_required() -> None:
+    spec = _schema()["properties"]["spec"]
+    assert spec["required"] == ["model"]
+    assert spec["properties"]["mode"]["enum"] == ["unified", "disaggregated", "auto"]
+    runtime = spec["properties"]["runtime"]["properties"]
+    assert runtime["tensorParallelSize"]["minimum"] == 1
+    rdma = spec["properties"]["networking"]["properties"]["rdma"]["properties"]
+    assert rdma["resourceName"]["default"] == "rdma/rdma_shared_device_a"
+    assert rdma["enabled"]["enum"] == ["auto", "true", "false"]
+
+
+# ---- CEL rules vs pydantic -------------------------------------------------------------------
+
+
+def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """What the apiserver does before CEL runs: fill scalar defaults of present objects."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = _apply_defaults(sub, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        return [_apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _cel_violations(schema: dict[str, Any], value: Any, env: celpy.Environment) -> list[str]:
+    messages = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(value)})):
+            messages.append(rule["message"])
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                messages += _cel_violations(sub, value[name], env)
+    if isinstance(value, list) and "items" in schema:
+        for item in value:
+            messages += _cel_violations(schema["items"], item, env)
+    return messages
+
+
+CASES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("tiny", TINY_SPEC, None),
+    ("deepseek", DEEPSEEK_SPEC, None),
+    ("auto without pools", with_changes(TINY_SPEC, mode="auto", decode=None), None),
+    ("two sources", with_changes(TINY_SPEC, model__source__hostPath={"path": "/w"}), "exactly one of pvc"),
+    ("no source", with_changes(TINY_SPEC, model__source={}), "exactly one of pvc"),
+    ("no size", with_changes(DEEPSEEK_SPEC, model__parametersBillions=None), "parametersBillions"),
+    ("size in GiB", with_changes(DEEPSEEK_SPEC, model__parametersBillions=None, model__weightsGiB=642), None),
+    (
+        "disaggregated no prefill",
+        with_changes(DEEPSEEK_SPEC, prefill=None),
+        "both the prefill and the decode",
+    ),
+    ("unified with prefill", with_changes(TINY_SPEC, prefill={"replicas": 1}), "remove prefill"),
+    (
+        "replicas and autoscaling",
+        with_changes(DEEPSEEK_SPEC, decode={"replicas": 2, "autoscaling": {"maxReplicas": 3}}),
+        "either replicas or autoscaling",
+    ),
+    (
+        "min above max",
+        with_changes(DEEPSEEK_SPEC, decode={"autoscaling": {"minReplicas": 5, "maxReplicas": 3}}),
+        "minReplicas must be less than or equal to maxReplicas",
+    ),
+    ("rdma count 0", with_changes(DEEPSEEK_SPEC, networking__rdma__count=0), "count must be at least 1"),
+    (
+        "rdma off count 0",
+        with_changes(DEEPSEEK_SPEC, networking__rdma={"enabled": "false", "count": 0}),
+        None,
+    ),
+    (
+        "builtin with tp 2",
+        with_changes(TINY_SPEC, runtime={"tensorParallelSize": 2}),
+        "tensorParallelSize must be 1",
+    ),
+    ("jit cache both", with_changes(TINY_SPEC, startup={"jitCache": {}}), "exactly one of pvc or emptyDir"),
+    ("jit cache pvc", with_changes(TINY_SPEC, startup={"jitCache": {"pvc": {"claimName": "jit"}}}), None),
+    (
+        "prometheus without url",
+        with_changes(TINY_SPEC, autoscaling={"metrics": {"source": "prometheus"}}),
+        "prometheusUrl is required",
+    ),
+    (
+        "ratio inverted",
+        with_changes(TINY_SPEC, autoscaling={"prefillDecodeRatio": {"min": 2, "max": 1}}),
+        "min must be less than or equal to max",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "spec", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_cel_rules_and_pydantic_agree(name: str, spec: dict[str, Any], expected: str | None) -> None:
+    spec_schema = _schema()["properties"]["spec"]
+    cel = _cel_violations(spec_schema, _apply_defaults(spec_schema, copy.deepcopy(spec)), celpy.Environment())
+    try:
+        LLMDeploymentSpec.model_validate(spec)
+        pydantic_error = None
+    except ValidationError as error:
+        pydantic_error = str(error)
+    if expected is None:
+        assert cel == [] and pydantic_error is None
+    else:
+        assert any(expected in message for message in cel), cel
+        assert pydantic_error is not None and expected in pydantic_error
+
+
+def test_unknown_fields_and_bad_enums_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="replica"):
+        LLMDeploymentSpec.model_validate(with_changes(TINY_SPEC, decode={"replica": 2}))
+    with pytest.raises(ValidationError, match="'auto', 'true' or 'false'"):
+        LLMDeploymentSpec.model_validate(with_changes(TINY_SPEC, networking={"rdma": {"enabled": True}}))
+
+
+def test_round_trip_keeps_camel_case_and_drops_unset() -> None:
+    spec = LLMDeploymentSpec.model_validate(DEEPSEEK_SPEC)
+    dumped = spec.to_api()
+    assert dumped["runtime"]["tensorParallelSize"] == 8
+    assert "replicas" not in dumped["decode"]
+    assert LLMDeploymentSpec.model_validate(dumped) == spec
