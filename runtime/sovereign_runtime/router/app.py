@@ -1,0 +1,316 @@
+"""The router's HTTP shell: OpenAI-compatible front door, health checks, metrics.
+
+Requests are proxied byte for byte (SSE included) to a worker the policy picks. A worker that fails or
+answers 5xx before any byte reached the client is retried on another worker; once bytes flowed, the
+client gets an error event instead of a silent truncation. In prefill/decode mode the router pairs a
+decode worker with a prefill worker and tells the decode worker where to pull the KV cache from
+(`kv_transfer_params`); short prompts with no cached prefix skip disaggregation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .policy import (
+    CacheAwarePolicy,
+    LeastLoadPolicy,
+    Role,
+    RoutingPolicy,
+    Worker,
+    WorkerPool,
+    make_policy,
+    prompt_key,
+)
+
+log = logging.getLogger(__name__)
+
+# Headers that describe one hop and must not be forwarded.
+_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "cache-aware"
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 3600.0
+    max_attempts: int = 3
+    failure_threshold: int = 3
+    # In prefill/decode mode, prompts shorter than this (in characters, the router sees no tokens)
+    # with no cached prefix are prefilled on the decode worker: a transfer would cost more than it saves.
+    disaggregation_threshold_chars: int = 512
+    static_members: dict[Role, list[str]] = field(default_factory=dict)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sovereign_router_requests",
+            "Requests answered, by worker and status",
+            ["worker", "code"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "sovereign_router_retries", "Requests retried on another worker", registry=self.registry
+        )
+        self.upstream_errors = Counter(
+            "sovereign_router_upstream_errors",
+            "Failed attempts against a worker",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "sovereign_router_time_to_headers_seconds",
+            "Arrival to the worker's response headers",
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.in_flight = Gauge(
+            "sovereign_router_in_flight", "In-flight requests per worker", ["worker"], registry=self.registry
+        )
+        self.workers = Gauge(
+            "sovereign_router_workers", "Workers by role and state", ["role", "state"], registry=self.registry
+        )
+        self.disaggregated = Counter(
+            "sovereign_router_disaggregated_requests",
+            "Requests sent through a prefill/decode pair",
+            registry=self.registry,
+        )
+
+    def refresh_workers(self, pool: WorkerPool) -> None:
+        self.workers.clear()
+        for worker in pool.workers():
+            state = "ready" if worker.routable else ("alive" if worker.alive else "down")
+            self.workers.labels(worker.role, state).inc()
+
+
+def openai_error(
+    status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status=status
+    )
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = WorkerPool(failure_threshold=config.failure_threshold)
+        self.policies: dict[Role, RoutingPolicy] = {
+            "worker": make_policy(config.policy),
+            "decode": make_policy(config.policy),
+            # Prefill workers keep no state the router could exploit after the hand-off: spread load.
+            "prefill": LeastLoadPolicy(),
+        }
+        self.metrics = RouterMetrics()
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        for role, urls in config.static_members.items():
+            self.set_members(role, set(urls))
+
+    # ---- membership -------------------------------------------------------------------------------
+    def set_members(self, role: Role, urls: set[str]) -> None:
+        for gone in self.pool.set_members(role, {u.rstrip("/") for u in urls}):
+            self.policies[role].forget(gone)
+        self.metrics.refresh_workers(self.pool)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.pool.workers("prefill")) and bool(self.pool.workers("decode"))
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
+        )
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    async def stop(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+
+    def add_background(self, coro) -> None:  # type: ignore[no-untyped-def]
+        self._tasks.append(asyncio.create_task(coro))
+
+    # ---- health -----------------------------------------------------------------------------------
+    async def check_worker(self, worker: Worker) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                worker.url + "/health/ready",
+                timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
+            ) as resp:
+                # 503 means starting or draining: alive, but no new work.
+                worker.ready = resp.status == 200
+                self.pool.record_success(worker)
+        except (TimeoutError, aiohttp.ClientError):
+            worker.ready = False
+            self.pool.record_failure(worker)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check_worker(w) for w in self.pool.workers()))
+        self.metrics.refresh_workers(self.pool)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.config.health_interval_s)
+
+    # ---- handlers ---------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        routable = [w for w in self.pool.workers() if w.routable]
+        return web.json_response(
+            {"status": "ok", "workers": len(self.pool.workers()), "routable": len(routable)}
+        )
+
+    async def ready(self, request: web.Request) -> web.Response:
+        roles: list[Role] = ["prefill", "decode"] if self.disaggregated else ["worker"]
+        # A disaggregated router can still serve with no prefill worker (decode prefills locally).
+        needed: list[Role] = ["decode"] if self.disaggregated else ["worker"]
+        ok = all(self.pool.routable(r) for r in needed)
+        body = {r: len(self.pool.routable(r)) for r in roles}
+        return web.json_response({"ready": ok, **body}, status=200 if ok else 503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return await self._forward(request, "/v1/models", b"", None, "GET")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy_generation(request, "/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy_generation(request, "/v1/chat/completions")
+
+    async def _proxy_generation(self, request: web.Request, path: str) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            payload = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return openai_error(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(payload, dict):
+            return openai_error(400, "request body must be a JSON object")
+        return await self._forward(request, path, body, payload, "POST")
+
+    async def _forward(
+        self, request: web.Request, path: str, body: bytes, payload: dict | None, method: str
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        started = time.perf_counter()
+        key = prompt_key(payload) if payload else ""
+        role: Role = "decode" if self.disaggregated else "worker"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        tried: set[str] = set()
+        last_error = "no worker is ready"
+        for attempt in range(self.config.max_attempts):
+            candidates = self.pool.routable(role, exclude=tried)
+            if not candidates:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            worker = self.policies[role].choose(candidates, key)
+            tried.add(worker.url)
+            send_body = body
+            if payload is not None and role == "decode":
+                send_body = self._with_transfer_params(payload, key, worker)
+            worker.in_flight += 1
+            self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+            response: web.StreamResponse | None = None
+            try:
+                async with self._session.request(
+                    method, worker.url + path, data=send_body or None, headers=headers
+                ) as upstream:
+                    if upstream.status >= 500:
+                        # Starting, draining or broken: try another worker before anything was sent.
+                        last_error = f"worker {worker.url} answered {upstream.status}"
+                        self.metrics.upstream_errors.labels(worker.url).inc()
+                        if upstream.status != 503:
+                            self.pool.record_failure(worker)
+                        else:
+                            worker.ready = False
+                        continue
+                    self.metrics.latency.observe(time.perf_counter() - started)
+                    response = web.StreamResponse(status=upstream.status)
+                    for name in ("Content-Type", "Cache-Control"):
+                        if name in upstream.headers:
+                            response.headers[name] = upstream.headers[name]
+                    await response.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+                    await response.write_eof()
+                    self.pool.record_success(worker)
+                    if upstream.status < 400 and payload is not None:
+                        self.policies[role].record(worker, key)
+                    self.metrics.requests.labels(worker.url, str(upstream.status)).inc()
+                    return response
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                last_error = f"worker {worker.url} failed: {exc.__class__.__name__}: {exc}"
+                self.metrics.upstream_errors.labels(worker.url).inc()
+                self.pool.record_failure(worker)
+                if response is not None:
+                    # Bytes already reached the client: retrying would duplicate tokens. End the stream
+                    # with an error event the OpenAI clients surface.
+                    await self._fail_stream(response, last_error)
+                    return response
+            finally:
+                worker.in_flight -= 1
+                self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+        self.metrics.requests.labels("none", "503").inc()
+        return openai_error(503, f"no worker could serve the request: {last_error}", "service_unavailable")
+
+    def _with_transfer_params(self, payload: dict, key: str, decode: Worker) -> bytes:
+        """Pair the decode worker with a prefill worker, unless local prefill is the better deal."""
+        prefill_candidates = self.pool.routable("prefill")
+        policy = self.policies["decode"]
+        cached = 0
+        if isinstance(policy, CacheAwarePolicy):
+            cached = policy.tree.match(key, alive={decode.url}).matched_chars
+        uncached = len(key) - cached
+        if not prefill_candidates or uncached < self.config.disaggregation_threshold_chars:
+            return json.dumps(payload).encode()
+        prefill = self.policies["prefill"].choose(prefill_candidates, key)
+        self.metrics.disaggregated.inc()
+        enriched = dict(payload)
+        enriched["kv_transfer_params"] = {"prefill_url": prefill.url, "room": secrets.token_hex(8)}
+        return json.dumps(enriched).encode()
+
+    async def _fail_stream(self, response: web.StreamResponse, message: str) -> None:
+        event = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+            await response.write_eof()
+
+
+def create_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/health/ready", router.ready)
+    app.router.add_get("/metrics", router.metrics_handler)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat_completions)
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    return app

@@ -1,0 +1,89 @@
+"""`sovereign-runtime router`: flags and start-up of the router process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from aiohttp import web
+
+from .app import Router, RouterConfig, create_app
+from .discovery import EndpointSliceWatch
+from .policy import POLICIES
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="cache-aware")
+    parser.add_argument("--worker", nargs="+", default=[], metavar="URL", help="unified workers (static)")
+    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers (static)")
+    parser.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers (static)")
+    parser.add_argument("--namespace", help="namespace of the Services to discover workers from")
+    parser.add_argument("--worker-service", help="headless Service of a unified pool (EndpointSlice watch)")
+    parser.add_argument("--prefill-service", help="headless Service of the prefill pool")
+    parser.add_argument("--decode-service", help="headless Service of the decode pool")
+    parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS")
+    parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument(
+        "--disaggregation-threshold",
+        type=int,
+        default=512,
+        metavar="CHARS",
+        help="prompts with fewer uncached characters are prefilled on the decode worker",
+    )
+
+
+def validate_router_args(args: argparse.Namespace) -> str | None:
+    """One line naming what is wrong, or None."""
+    static = bool(args.worker or args.prefill or args.decode)
+    discovered = bool(args.worker_service or args.prefill_service or args.decode_service)
+    if not static and not discovered:
+        return "router: give workers with --worker URL... (unified) or --prefill URL... --decode URL..., or Services with --worker-service / --prefill-service --decode-service"
+    if (args.worker or args.worker_service) and (
+        args.prefill or args.decode or args.prefill_service or args.decode_service
+    ):
+        return "router: --worker/--worker-service (unified) cannot be combined with prefill/decode workers"
+    if bool(args.prefill or args.prefill_service) != bool(args.decode or args.decode_service):
+        return "router: disaggregated routing needs both prefill and decode workers"
+    if discovered and not args.namespace:
+        return "router: --namespace is required with --*-service discovery"
+    if args.max_attempts < 1:
+        return "router: --max-attempts must be at least 1"
+    return None
+
+
+def run_router(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RouterConfig(
+        policy=args.policy,
+        health_interval_s=args.health_interval,
+        max_attempts=args.max_attempts,
+        disaggregation_threshold_chars=args.disaggregation_threshold,
+        static_members={"worker": args.worker, "prefill": args.prefill, "decode": args.decode},
+    )
+    router = Router(config)
+    app = create_app(router)
+
+    async def start_discovery(app: web.Application) -> None:
+        for role, service in (
+            ("worker", args.worker_service),
+            ("prefill", args.prefill_service),
+            ("decode", args.decode_service),
+        ):
+            if service:
+                watch = EndpointSliceWatch(
+                    args.namespace, service, on_change=lambda urls, role=role: router.set_members(role, urls)
+                )
+                router.add_background(watch.run())
+        # Check newly discovered members at once rather than a health interval later.
+        router.add_background(_prompt_checks(router))
+
+    app.on_startup.append(start_discovery)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+async def _prompt_checks(router: Router) -> None:
+    await asyncio.sleep(0.5)
+    await router.check_all()
