@@ -1,0 +1,370 @@
+"""KV-cache transport between a prefill and a decode instance.
+
+The decode instance *expects* a room (a request id the router minted) before it asks a prefill
+instance for work, with a callback that writes each received layer into the blocks it pre-allocated.
+The prefill instance opens a stream to the decode instance's transfer address and sends one frame per
+layer as soon as that layer's latent KV exists, so the transfer overlaps the rest of the prefill.
+
+Failure handling is the point of this module: the receiver fails a room when no frame (heartbeats
+included) arrives for `idle_timeout_s` or the peer disconnects before `done`; the sender fails when the
+socket breaks. Neither side ever waits forever. `TcpKVReceiver`/`TcpKVSender` are the TCP
+implementation; an RDMA library slots in behind the same two interfaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .protocol import (
+    PREFIX_BYTES,
+    Frame,
+    ProtocolError,
+    decode_prefix,
+    encode_frame,
+    payload_tensor,
+    tensor_payload,
+)
+
+LayerCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first token index, [tokens, kv_dim])
+
+
+class KVTransferError(Exception):
+    pass
+
+
+@dataclass
+class TransferResult:
+    room: str
+    layers: int
+    bytes: int
+    seconds: float
+    done: dict[str, Any]
+
+
+@dataclass
+class TransferStats:
+    """Counters the server exports as metrics and on its KV-health endpoint."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    last_error: str | None = None
+    last_error_time: float | None = None
+    seconds: list[float] = field(default_factory=list)  # recent transfer durations
+
+    def record_ok(self, seconds: float) -> None:
+        self.transfers_ok += 1
+        self.seconds = [*self.seconds[-255:], seconds]
+
+    def record_failure(self, message: str) -> None:
+        self.transfers_failed += 1
+        self.last_error, self.last_error_time = message, time.time()
+
+
+class KVReceiver(Protocol):
+    address: str
+    stats: TransferStats
+
+    def expect(
+        self, room: str, on_layer: LayerCallback, idle_timeout_s: float = 10.0
+    ) -> asyncio.Future[TransferResult]: ...
+
+    def cancel(self, room: str, reason: str = "cancelled") -> None: ...
+
+
+class KVStream(Protocol):
+    def send_layer(self, layer: int, first_token: int, kv: torch.Tensor) -> None: ...
+
+    def finish(self, done: dict[str, Any], timeout_s: float = 30.0) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+
+class KVSender(Protocol):
+    stats: TransferStats
+
+    def open(self, address: str, room: str) -> KVStream: ...
+
+
+# ---- TCP ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Expectation:
+    room: str
+    on_layer: LayerCallback
+    idle_timeout_s: float
+    future: asyncio.Future[TransferResult]
+    started: float = field(default_factory=time.perf_counter)
+    watchdog: asyncio.TimerHandle | None = None
+
+
+class TcpKVReceiver:
+    """The decode side: an asyncio TCP server that accepts one stream per expected room."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host
+        self.stats = TransferStats()
+        self._rooms: dict[str, _Expectation] = {}
+        self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.advertise_host or self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        for room in list(self._rooms):
+            self.cancel(room, "receiver stopped")
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def expect(
+        self, room: str, on_layer: LayerCallback, idle_timeout_s: float = 10.0
+    ) -> asyncio.Future[TransferResult]:
+        loop = asyncio.get_running_loop()
+        if room in self._rooms:
+            raise KVTransferError(f"room {room} is already expected")
+        expectation = _Expectation(room, on_layer, idle_timeout_s, loop.create_future())
+        # The prefill side must connect within the idle timeout too, or the room fails.
+        expectation.watchdog = loop.call_later(idle_timeout_s, self._expire_unconnected, room)
+        self._rooms[room] = expectation
+        return expectation.future
+
+    def cancel(self, room: str, reason: str = "cancelled") -> None:
+        expectation = self._rooms.pop(room, None)
+        if expectation is not None:
+            self._fail(expectation, reason, count=False)
+
+    def _expire_unconnected(self, room: str) -> None:
+        expectation = self._rooms.pop(room, None)
+        if expectation is not None:
+            self._fail(
+                expectation, f"room {room}: no prefill connection within {expectation.idle_timeout_s:g} s"
+            )
+
+    def _fail(self, expectation: _Expectation, message: str, count: bool = True) -> None:
+        if expectation.watchdog is not None:
+            expectation.watchdog.cancel()
+        if count:
+            self.stats.record_failure(message)
+        if not expectation.future.done():
+            expectation.future.set_exception(KVTransferError(message))
+
+    async def _read_frame(self, reader: asyncio.StreamReader, timeout: float) -> Frame:
+        import json
+
+        prefix = await asyncio.wait_for(reader.readexactly(PREFIX_BYTES), timeout)
+        header_len, payload_len = decode_prefix(prefix)
+        header = json.loads(await asyncio.wait_for(reader.readexactly(header_len), timeout))
+        payload = await asyncio.wait_for(reader.readexactly(payload_len), timeout) if payload_len else b""
+        self.stats.bytes_received += PREFIX_BYTES + header_len + payload_len
+        return Frame(header, payload)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        expectation: _Expectation | None = None
+        try:
+            hello = await self._read_frame(reader, timeout=10.0)
+            room = str(hello.header.get("room"))
+            if hello.kind != "hello" or room not in self._rooms:
+                writer.write(
+                    _join(encode_frame({"kind": "error", "message": f"room {room} is not expected here"}))
+                )
+                await writer.drain()
+                return
+            expectation = self._rooms[room]
+            if expectation.watchdog is not None:
+                expectation.watchdog.cancel()
+            layers = 0
+            nbytes = 0
+            while True:
+                frame = await self._read_frame(reader, timeout=expectation.idle_timeout_s)
+                if frame.kind == "layer":
+                    kv = payload_tensor(frame.header, frame.payload)
+                    expectation.on_layer(int(frame.header["layer"]), int(frame.header["first_token"]), kv)
+                    layers += 1
+                    nbytes += len(frame.payload)
+                elif frame.kind == "heartbeat":
+                    continue
+                elif frame.kind == "done":
+                    seconds = time.perf_counter() - expectation.started
+                    self._rooms.pop(room, None)
+                    self.stats.record_ok(seconds)
+                    if not expectation.future.done():
+                        expectation.future.set_result(
+                            TransferResult(room, layers, nbytes, seconds, frame.header)
+                        )
+                    writer.write(_join(encode_frame({"kind": "ack", "room": room})))
+                    await writer.drain()
+                    return
+                elif frame.kind == "error":
+                    raise KVTransferError(f"prefill reported: {frame.header.get('message')}")
+                else:
+                    raise ProtocolError(f"unexpected frame {frame.kind!r}")
+        except TimeoutError:
+            if expectation is not None:
+                self._rooms.pop(expectation.room, None)
+                self._fail(
+                    expectation,
+                    f"room {expectation.room}: no data from prefill for {expectation.idle_timeout_s:g} s",
+                )
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            if expectation is not None:
+                self._rooms.pop(expectation.room, None)
+                self._fail(
+                    expectation, f"room {expectation.room}: prefill disconnected ({exc.__class__.__name__})"
+                )
+        except Exception as exc:  # a callback or protocol failure fails the room, never the server
+            if expectation is not None:
+                self._rooms.pop(expectation.room, None)
+                self._fail(expectation, f"room {expectation.room}: {exc}")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+def _join(parts: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+_STOP = object()
+
+
+class TcpKVStream:
+    """The prefill side of one room: frames are queued and written by a thread, so sending a layer
+    returns at once and the transfer overlaps the computation of the next layers."""
+
+    def __init__(
+        self,
+        address: str,
+        room: str,
+        stats: TransferStats,
+        connect_timeout_s: float = 5.0,
+        heartbeat_interval_s: float = 1.0,
+        send_timeout_s: float = 30.0,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        self.room = room
+        self.stats = stats
+        self._error: str | None = None
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._heartbeat_interval_s = heartbeat_interval_s
+        try:
+            self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout_s)
+        except OSError as exc:
+            stats.record_failure(f"room {room}: cannot reach decode at {address}: {exc}")
+            raise KVTransferError(f"cannot reach decode at {address}: {exc}") from exc
+        self._sock.settimeout(send_timeout_s)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._started = time.perf_counter()
+        self._queue.put(encode_frame({"kind": "hello", "room": room}))
+        self._writer = threading.Thread(target=self._write_loop, name=f"kv-send-{room}", daemon=True)
+        self._writer.start()
+
+    def send_layer(self, layer: int, first_token: int, kv: torch.Tensor) -> None:
+        self._raise_if_failed()
+        meta, payload = tensor_payload(kv)
+        self._queue.put(
+            encode_frame({"kind": "layer", "layer": layer, "first_token": first_token, **meta}, payload)
+        )
+
+    def finish(self, done: dict[str, Any], timeout_s: float = 30.0) -> None:
+        """Send `done` and wait until the receiver acknowledged it."""
+        self._raise_if_failed()
+        self._queue.put(encode_frame({"kind": "done", "room": self.room, **done}))
+        self._queue.put(_STOP)
+        self._writer.join(timeout_s)
+        if self._writer.is_alive():
+            self._error = self._error or f"room {self.room}: transfer did not finish within {timeout_s:g} s"
+            self._close()
+        self._raise_if_failed()
+        try:
+            self._sock.settimeout(timeout_s)
+            ack = _read_frame_blocking(self._sock)
+            if ack.kind != "ack":
+                raise KVTransferError(f"room {self.room}: decode answered {ack.header}")
+        except (OSError, ProtocolError) as exc:
+            self._error = f"room {self.room}: no acknowledgement from decode ({exc})"
+            raise KVTransferError(self._error) from exc
+        finally:
+            self._close()
+        self.stats.record_ok(time.perf_counter() - self._started)
+
+    def fail(self, message: str) -> None:
+        if self._error is None:
+            self._queue.put(encode_frame({"kind": "error", "room": self.room, "message": message}))
+        self._queue.put(_STOP)
+        self._writer.join(5.0)
+        self._close()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise KVTransferError(self._error)
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._heartbeat_interval_s)
+            except queue.Empty:
+                item = encode_frame({"kind": "heartbeat"})
+            if item is _STOP:
+                return
+            try:
+                for part in item:  # type: ignore[attr-defined]
+                    self._sock.sendall(part)
+                    self.stats.bytes_sent += len(part)
+            except OSError as exc:
+                self._error = f"room {self.room}: decode connection broke ({exc.__class__.__name__}: {exc})"
+                self.stats.record_failure(self._error)
+                return
+
+    def _close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class TcpKVSender:
+    def __init__(self, connect_timeout_s: float = 5.0, heartbeat_interval_s: float = 1.0) -> None:
+        self.stats = TransferStats()
+        self.connect_timeout_s = connect_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    def open(self, address: str, room: str) -> TcpKVStream:
+        return TcpKVStream(address, room, self.stats, self.connect_timeout_s, self.heartbeat_interval_s)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, remaining = [], n
+    while remaining:
+        chunk = sock.recv(remaining)
+        if not chunk:
+            raise ProtocolError("connection closed")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame_blocking(sock: socket.socket) -> Frame:
+    import json
+
+    header_len, payload_len = decode_prefix(_read_exact(sock, PREFIX_BYTES))
+    header = json.loads(_read_exact(sock, header_len))
+    payload = _read_exact(sock, payload_len) if payload_len else b""
+    return Frame(header, payload)
