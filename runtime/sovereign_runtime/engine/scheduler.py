@@ -1,0 +1,308 @@
+"""Continuous batching with chunked prefill, admission control, preemption and prefix reuse.
+
+Each step gets a token budget. Running decodes go first (one token each), then running sequences whose
+prompt is partly prefilled, then new requests from the queue in arrival order, so a long prompt is split
+over several steps while decodes keep producing a token every step (mixed batches). A request is
+admitted only when blocks for its next chunk exist (free, or cached pages that can be evicted);
+otherwise it waits. When a running sequence needs a block and none is left, the youngest running
+sequence is preempted: its computed full pages go into the prefix cache, its blocks are released and it
+re-enters the queue front to be recomputed (cheaply, through the cache, if its pages survived).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockPool
+from .radix_cache import RadixCache
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # new tokens per sequence; they start at seq.num_computed_tokens
+    sample: list[bool]  # True where this chunk ends the sequence's known tokens: it gets a new token
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_waiting: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, eos_token_ids: set[int] | None = None
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_caching else None
+        self.eos_token_ids = set(eos_token_ids or ())
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        cfg = self.config
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        if seq.num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if seq.num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt has {seq.num_prompt_tokens} tokens; the context is {cfg.max_model_len} tokens "
+                "and at least one must remain for the completion"
+            )
+        longest = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len)
+        if self._blocks_for(longest) > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {longest} tokens of KV cache; the pool holds "
+                f"{self.pool.num_blocks * self.block_size}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request now and free its blocks; returns it, or None if unknown or already finished."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq, cache_pages=False)
+        self._finish(seq, "abort")
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        chosen: dict[Sequence, int] = {}
+        preempted = False
+
+        # Running sequences: decodes first so a long prefill never stalls them, then partial prefills.
+        for decode_pass in (True, False):
+            for seq in list(self.running):
+                if budget <= 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq in chosen:
+                    continue
+                remaining = seq.num_uncomputed_tokens
+                if (remaining == 1) != decode_pass:
+                    continue
+                n = min(remaining, budget)
+                while not self._grow(seq, seq.num_computed_tokens + n):
+                    victim = next(s for s in reversed(self.running) if s not in chosen)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is SequenceStatus.RUNNING:
+                    chosen[seq] = n
+                    budget -= n
+
+        # New work only when nothing had to be preempted this step (otherwise it would thrash).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._reuse_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n, may_evict_only_if_enough=True):
+                self._release(seq, cache_pages=False)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens is None:  # first admission: this is the request's cache lookup
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if self.cache is not None:
+                    self.cache.record_lookup(seq.num_prompt_tokens, seq.num_computed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen[seq] = n
+            budget -= n
+
+        seqs = list(chosen)
+        counts = list(chosen.values())
+        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)]
+        return ScheduledBatch(seqs, counts, sample)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance after the model ran ``batch``; ``sampled`` holds one token per ``sample`` row.
+
+        Returns the sequences that finished in this step (their blocks are already released).
+        """
+        finished: list[Sequence] = []
+        it = iter(sampled)
+        now = time.monotonic()
+        for seq, n, gets_token in zip(batch.seqs, batch.num_new_tokens, batch.sample, strict=True):
+            token = next(it) if gets_token else None
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += n
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._release(seq, cache_pages=True)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if n_out >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ---- blocks -------------------------------------------------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _grow(self, seq: Sequence, num_tokens: int, may_evict_only_if_enough: bool = False) -> bool:
+        """Make ``seq``'s block table cover ``num_tokens`` tokens; False if the pool cannot."""
+        need = self._blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        short = need - self.pool.num_free
+        if short > 0:
+            if self.cache is None:
+                return False
+            if may_evict_only_if_enough and short > self.cache.num_evictable_blocks:
+                return False  # do not throw cached pages away for an admission that fails anyway
+            self.cache.evict(short)
+            if self.pool.num_free < need:
+                return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        if self.cache is None:
+            return
+        # Leave at least one token to compute: the model must run to produce the next token's logits.
+        node, blocks = self.cache.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        if blocks:
+            self.cache.lock(node)
+            self.pool.incref(blocks)
+            seq.cache_node = node
+            seq.block_table = list(blocks)
+            seq.num_computed_tokens = len(blocks) * self.block_size
+
+    def _release(self, seq: Sequence, cache_pages: bool) -> None:
+        if self.cache is not None and cache_pages:
+            pages = seq.num_computed_tokens // self.block_size
+            if pages:
+                self.cache.insert(seq.token_ids[: pages * self.block_size], seq.block_table[:pages])
+        if seq.block_table:
+            self.pool.decref(seq.block_table)
+            seq.block_table = []
+        if seq.cache_node is not None:
+            assert self.cache is not None
+            self.cache.unlock(seq.cache_node)
+            seq.cache_node = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq, cache_pages=True)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
+        in_use = self.pool.num_used - evictable
+        waiting_prompt = sum(s.num_uncomputed_tokens for s in self.waiting) + sum(
+            s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1
+        )
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=in_use / self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free + evictable,
+            num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
+            prefix_cache_queries=self.cache.queries if self.cache is not None else 0,
+            prefix_cache_hits=self.cache.hits if self.cache is not None else 0,
+            prompt_tokens_waiting=waiting_prompt,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def check(self) -> None:
+        """Invariants used by the tests: every block reference is accounted for."""
+        self.pool.check()
+        if self.cache is not None:
+            self.cache.check()
+        expected = [0] * self.pool.num_blocks
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING
+            assert self._blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
+            assert len(seq.block_table) <= self._blocks_for(seq.num_tokens)
+            for b in seq.block_table:
+                expected[b] += 1
+        for seq in self.waiting:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.cache_node is None
+        if self.cache is not None:
+            for node in self.cache._nodes():
+                for b in node.blocks:
+                    expected[b] += 1
+                if node.lock_ref == 0:
+                    assert all(self.pool.ref_count(b) == 1 for b in node.blocks), "unlocked page in use"
+        for b in range(self.pool.num_blocks):
+            assert self.pool.ref_count(b) == expected[b], (
+                f"block {b}: refs {self.pool.ref_count(b)} != {expected[b]}"
+            )
