@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+import yaml
 
 from sovereign_operator import yamlio
 from sovereign_operator.api import custom_resource_definition
+from sovereign_operator.api.document import InvalidDeployment, parse_document
+from sovereign_operator.render import ClusterFacts, DeploymentRef, render
+
+# Offline rendering has no real owner; apply with `--uid` set to the object's metadata.uid.
+OFFLINE_UID = "00000000-0000-0000-0000-000000000000"
 
 
 def _cmd_crd(_: argparse.Namespace) -> int:
@@ -14,11 +22,77 @@ def _cmd_crd(_: argparse.Namespace) -> int:
     return 0
 
 
+def _read(path: str) -> str:
+    return sys.stdin.read() if path == "-" else Path(path).read_text()
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    try:
+        documents = yamlio.load_all(_read(args.file))
+    except (OSError, yaml.YAMLError) as error:
+        print(f"error: {args.file}: cannot read YAML: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if not documents:
+        print(f"error: {args.file}: no LLMDeployment documents", file=sys.stderr)
+        return 2
+    rendered = []
+    for index, document in enumerate(documents):
+        try:
+            parsed = parse_document(document)
+        except InvalidDeployment as error:
+            where = args.file if len(documents) == 1 else f"{args.file} (document {index + 1})"
+            print(f"error: {where}: {error}", file=sys.stderr)
+            return 1
+        advertised = {parsed.spec.networking.rdma.resource_name} if args.rdma_nodes == "yes" else set()
+        ref = DeploymentRef(
+            name=parsed.name,
+            namespace=args.namespace or parsed.namespace or "default",
+            uid=args.uid or parsed.uid or OFFLINE_UID,
+            generation=parsed.generation,
+        )
+        result = render(ref, parsed.spec, ClusterFacts(frozenset(advertised)))
+        rendered += result.children
+    sys.stdout.write(yamlio.dump_all(rendered))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    # Imported here so `crd` and `render` work without touching kopf's machinery.
+    from sovereign_operator.main import run_operator
+
+    return run_operator(namespaces=args.namespace, health_port=args.health_port, verbose=args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sovereign-operator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
     crd = commands.add_parser("crd", help="print the LLMDeployment CustomResourceDefinition")
     crd.set_defaults(func=_cmd_crd)
+
+    rend = commands.add_parser("render", help="print the children of LLMDeployment documents as YAML")
+    rend.add_argument(
+        "-f", "--file", required=True, help="YAML file with LLMDeployment documents, - for stdin"
+    )
+    rend.add_argument(
+        "--rdma-nodes",
+        choices=["yes", "no"],
+        default="no",
+        help="whether nodes advertise the RDMA resource (decides mode auto and rdma.enabled auto)",
+    )
+    rend.add_argument("--namespace", help="namespace of the children (default: the document's or default)")
+    rend.add_argument("--uid", help=f"owner uid for ownerReferences (default: {OFFLINE_UID})")
+    rend.set_defaults(func=_cmd_render)
+
+    run = commands.add_parser("run", help="run the operator against the cluster of KUBECONFIG/in-cluster")
+    run.add_argument(
+        "--namespace",
+        action="append",
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )
+    run.add_argument("--health-port", type=int, default=8080, help="port of /metrics and /healthz (0: off)")
+    run.add_argument("--verbose", action="store_true", help="debug logging")
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

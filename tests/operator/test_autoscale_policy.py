@@ -6,6 +6,7 @@ import itertools
 import random
 from collections.abc import Callable
 
+import pytest
 from sovereign_operator.autoscale import (
     AutoscalerConfig,
     PoolConfig,
@@ -317,3 +318,21 @@ def test_state_round_trips_through_status() -> None:
     restored = PoolState.from_dict(decs_state["p"].to_dict())
     assert restored == decs_state["p"]
     assert restored.scale_up_target == 3 and restored.recommendations == [(0.0, 5)]
+
+
+def test_backlog_target_derives_from_ttft_and_measured_prefill_rate() -> None:
+    pool = PoolConfig(min_replicas=1, max_replicas=10, ttft_target_s=2.0, kv_cache_usage_target=None)
+    config = AutoscalerConfig(interval_s=INTERVAL, scale_up_stabilization_s=0)
+    # 2 pods prefill 10k tokens/s together: one replica clears 5k/s * 2 s = 10k tokens within target.
+    metrics = PoolMetrics(
+        observed_at=0,
+        pods_reporting=2,
+        pods_expected=2,
+        prompt_tokens_waiting=60000,
+        prompt_tokens_per_s=10000,
+    )
+    inp = PoolInput(role="prefill", replicas=PoolReplicas(desired=2, current=2, ready=2), metrics=metrics)
+    decisions, _ = decide(0.0, {"p": inp}, {"p": pool}, config, {})
+    reading = next(r for r in decisions["p"].readings if r.signal == "prompt_tokens_waiting")
+    assert reading.target == pytest.approx(10000) and reading.recommendation == 6
+    assert decisions["p"].desired == 3  # step-limited from 2

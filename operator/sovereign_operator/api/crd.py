@@ -8,8 +8,10 @@ know, and marks free-form maps (`dict[str, Any]`) with `x-kubernetes-preserve-un
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from sovereign_operator.api.rules import CrossFieldRule
 from sovereign_operator.api.spec import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus
 
@@ -21,7 +23,18 @@ SINGULAR = "llmdeployment"
 SHORT_NAMES = ["llmd"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-_DROPPED_KEYS = {"title", "$defs", "additionalProperties", "anyOf", "$ref", "const"}
+# Children are named `<name>-unified` etc. and Services need DNS-1035 labels; StatefulSet names
+# must leave room for the controller-revision-hash label (63 characters in all).
+MAX_NAME_LENGTH = 40
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULES = (
+    CrossFieldRule(
+        cel=f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
+        message=f"metadata.name must be at most {MAX_NAME_LENGTH} characters of a-z, 0-9 and '-',"
+        " starting with a letter (it prefixes Service and StatefulSet names)",
+        holds=lambda name: len(name) <= MAX_NAME_LENGTH and re.fullmatch(NAME_PATTERN, name) is not None,
+    ),
+)
 
 
 def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -98,6 +111,7 @@ def openapi_schema() -> dict[str, Any]:
         "type": "object",
         "description": "LLMDeployment serves one LLM with prefill/decode pools behind a router.",
         "required": ["spec"],
+        "x-kubernetes-validations": [rule.as_validation() for rule in NAME_RULES],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},

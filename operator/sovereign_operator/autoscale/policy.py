@@ -90,6 +90,21 @@ def _latency_reading(
     return SignalReading(signal, value, target, rec)
 
 
+# A derived backlog target below this is noise (a nearly idle pool's prefill rate), not capacity.
+_MIN_DERIVED_BACKLOG = 1024.0
+
+
+def backlog_target(pool: PoolConfig, metrics: PoolMetrics) -> float | None:
+    """Prompt tokens one replica may have waiting: explicit, else what it prefills within the TTFT
+    target at the measured rate (the rate approaches capacity exactly when a backlog builds)."""
+    if pool.prompt_tokens_waiting_target:
+        return pool.prompt_tokens_waiting_target
+    if pool.ttft_target_s and metrics.prompt_tokens_per_s and metrics.pods_reporting > 0:
+        per_replica = metrics.prompt_tokens_per_s / metrics.pods_reporting
+        return max(_MIN_DERIVED_BACKLOG, per_replica * pool.ttft_target_s)
+    return pool.prompt_tokens_waiting_default
+
+
 def evaluate_signals(
     inp: PoolInput, pool: PoolConfig, config: AutoscalerConfig, metrics: PoolMetrics
 ) -> list[SignalReading]:
@@ -99,13 +114,11 @@ def evaluate_signals(
     current = inp.replicas.desired
     readings: list[SignalReading] = []
     for signal in _ROLE_SIGNALS[inp.role]:
-        if signal == SIGNAL_PROMPT_BACKLOG and pool.prompt_tokens_waiting_target:
-            value = metrics.prompt_tokens_waiting / base
-            readings.append(
-                _ratio_reading(
-                    signal, value, pool.prompt_tokens_waiting_target, base, current, config.tolerance
-                )
-            )
+        if signal == SIGNAL_PROMPT_BACKLOG:
+            target = backlog_target(pool, metrics)
+            if target:
+                value = metrics.prompt_tokens_waiting / base
+                readings.append(_ratio_reading(signal, value, target, base, current, config.tolerance))
         elif signal == SIGNAL_WAITING and pool.requests_waiting_target:
             value = metrics.requests_waiting / base
             readings.append(

@@ -41,6 +41,8 @@ class PoolMetrics:
     kv_cache_usage_max: float = 0.0
     ttft_seconds: float | None = None
     itl_seconds: float | None = None
+    # Prompt tokens prefilled per second over the window (summed over pods); None if unknown.
+    prompt_tokens_per_s: float | None = None
     errors: tuple[str, ...] = ()
 
 
@@ -79,8 +81,11 @@ class PoolConfig:
     ttft_target_s: float | None = 2.0
     itl_target_s: float | None = 0.1
     kv_cache_usage_target: float | None = 0.75
-    # Per-replica targets for the queue-like signals; None disables that signal.
-    prompt_tokens_waiting_target: float | None = 8192.0
+    # Per-replica targets for the queue-like signals; None disables that signal. The prompt backlog
+    # target, when None, is derived from the TTFT target and the measured prefill rate (tokens a
+    # replica clears within the TTFT target), falling back to prompt_tokens_waiting_default.
+    prompt_tokens_waiting_target: float | None = None
+    prompt_tokens_waiting_default: float | None = 8192.0
     requests_running_target: float | None = None
     requests_waiting_target: float | None = None
 

@@ -1,0 +1,501 @@
+"""Pure rendering: one LLMDeployment (+ cluster facts + autoscaler decisions) -> child objects.
+
+The output is a list of plain dicts in a fixed order with sorted maps, so applying it twice is a
+no-op for server-side apply and the operator can compare it byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sovereign_operator.api.crd import API_VERSION, KIND
+from sovereign_operator.api.spec import LLMDeploymentSpec, PoolSpec, ResourceRequirements
+from sovereign_operator.api.status import StartupBudget
+from sovereign_operator.render.plan import (
+    PROBE_PERIOD_SECONDS,
+    ClusterFacts,
+    Component,
+    ModePlan,
+    plan_replicas,
+    pool_spec_for,
+    resolve_mode,
+    startup_budget,
+    startup_failure_threshold,
+)
+
+RUNTIME_PORT = 8000
+MODEL_MOUNT = "/models"
+JIT_CACHE_MOUNT = "/var/cache/sovereign/jit"
+MANAGED_BY = "sovereign-operator"
+APP_NAME = "sovereign"
+MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Time after the drain wait for the process to exit on SIGTERM.
+EXIT_GRACE_SECONDS = 30
+ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
+
+# The preStop hook: ask the runtime to drain, then wait until nothing runs or queues. It only
+# uses the runtime's contract (POST /drain, the vLLM request gauges on /metrics) and python3.
+DRAIN_SCRIPT = """\
+import sys, time, urllib.request
+base = "http://127.0.0.1:RUNTIME_PORT"
+deadline = time.monotonic() + float(sys.argv[1])
+try:
+    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST"), timeout=5)
+except Exception:
+    pass
+gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+while time.monotonic() < deadline:
+    try:
+        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    except Exception:
+        break
+    busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(gauges))
+    if busy == 0:
+        break
+    time.sleep(1)
+""".replace("RUNTIME_PORT", str(RUNTIME_PORT))
+
+
+@dataclass(frozen=True)
+class DeploymentRef:
+    """The identity of the LLMDeployment being rendered."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 1
+
+
+@dataclass(frozen=True)
+class Rendered:
+    children: list[dict[str, Any]]
+    plan: ModePlan
+    budget: StartupBudget
+    replicas: dict[Component, int]
+    endpoint: str
+
+
+# ---- names and metadata ------------------------------------------------------------------------
+
+
+def pool_name(deployment: str, component: str) -> str:
+    return f"{deployment}-{component}"
+
+
+def router_name(deployment: str) -> str:
+    return f"{deployment}-router"
+
+
+def config_name(deployment: str) -> str:
+    return f"{deployment}-runtime"
+
+
+def selector_labels(deployment: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/instance": deployment,
+        "app.kubernetes.io/name": APP_NAME,
+    }
+
+
+def child_labels(deployment: str, component: str) -> dict[str, str]:
+    return _sorted({**selector_labels(deployment, component), "app.kubernetes.io/managed-by": MANAGED_BY})
+
+
+def _metadata(ref: DeploymentRef, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": child_labels(ref.name, component),
+        "ownerReferences": [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": ref.name,
+                "uid": ref.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def _sorted(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: mapping[key] for key in sorted(mapping)}
+
+
+# ---- worker pods -------------------------------------------------------------------------------
+
+
+def _model_volume(spec: LLMDeploymentSpec) -> tuple[str, dict[str, Any] | None]:
+    """The `--model` argument and the volume holding the weights (None for builtin models)."""
+    source = spec.model.source
+    if source.builtin is not None:
+        return f"builtin:{source.builtin}", None
+    if source.pvc is not None:
+        volume = {"persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
+        subpath = source.pvc.path
+    elif source.host_path is not None:
+        volume = {"hostPath": {"path": source.host_path.path, "type": "Directory"}}
+        subpath = ""
+    else:
+        assert source.image is not None
+        volume = {"image": {"reference": source.image.reference, "pullPolicy": source.image.pull_policy}}
+        subpath = source.image.path
+    path = MODEL_MOUNT + ("/" + subpath.strip("/") if subpath.strip("/") else "")
+    return path, {"name": "model", **volume}
+
+
+def _jit_cache_volume(spec: LLMDeploymentSpec) -> dict[str, Any]:
+    cache = spec.startup.jit_cache
+    if cache is not None and cache.pvc is not None:
+        return {"name": "jit-cache", "persistentVolumeClaim": {"claimName": cache.pvc.claim_name}}
+    size = cache.empty_dir.size_limit if cache is not None and cache.empty_dir is not None else "20Gi"
+    return {"name": "jit-cache", "emptyDir": {"sizeLimit": size}}
+
+
+def merged_resources(*layers: ResourceRequirements | None) -> dict[str, dict[str, Any]]:
+    """Later layers override earlier ones key by key, separately for requests and limits."""
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    for layer in layers:
+        if layer is not None:
+            requests.update(layer.requests)
+            limits.update(layer.limits)
+    return {"limits": limits, "requests": requests}
+
+
+def _worker_resources(spec: LLMDeploymentSpec, pool: PoolSpec, plan: ModePlan) -> dict[str, Any]:
+    resources = merged_resources(spec.runtime.resources, pool.resources)
+    # Extended resources (GPUs, RDMA devices) must have requests equal to limits.
+    if spec.uses_gpu():
+        for part in ("requests", "limits"):
+            resources[part][GPU_RESOURCE] = spec.runtime.tensor_parallel_size
+    if plan.kv_transport == "rdma":
+        rdma = spec.networking.rdma
+        for part in ("requests", "limits"):
+            resources[part][rdma.resource_name] = rdma.count
+    return {part: _sorted(values) for part, values in sorted(resources.items()) if values}
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _runtime_args(spec: LLMDeploymentSpec, component: Component, plan: ModePlan, model_arg: str) -> list[str]:
+    args = [
+        "serve",
+        "--model",
+        model_arg,
+        "--role",
+        component,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(RUNTIME_PORT),
+        "--served-model-name",
+        spec.model.name,
+        "--tensor-parallel-size",
+        str(spec.runtime.tensor_parallel_size),
+    ]
+    if plan.kv_transport is not None:
+        args += ["--kv-transport", plan.kv_transport]
+    return args + list(spec.runtime.args)
+
+
+def _worker_env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+    def field_ref(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env = [
+        field_ref("POD_NAME", "metadata.name"),
+        field_ref("POD_NAMESPACE", "metadata.namespace"),
+        field_ref("POD_IP", "status.podIP"),
+        # One persistent place for every JIT: Triton, torch inductor and DeepGEMM.
+        {"name": "TRITON_CACHE_DIR", "value": f"{JIT_CACHE_MOUNT}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{JIT_CACHE_MOUNT}/inductor"},
+        {"name": "DG_JIT_CACHE_DIR", "value": f"{JIT_CACHE_MOUNT}/deepgemm"},
+    ]
+    return env + [var.to_api() for var in spec.runtime.env]
+
+
+def _worker_pod_template(
+    ref: DeploymentRef,
+    spec: LLMDeploymentSpec,
+    component: Component,
+    plan: ModePlan,
+    budget: StartupBudget,
+    settings_hash: str,
+) -> dict[str, Any]:
+    pool = pool_spec_for(spec, component)
+    model_arg, model_volume = _model_volume(spec)
+    mounts = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "jit-cache", "mountPath": JIT_CACHE_MOUNT},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        _jit_cache_volume(spec),
+    ]
+    if model_volume is not None:
+        mounts.insert(0, {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+        volumes.insert(0, model_volume)
+
+    annotations = {SETTINGS_HASH_ANNOTATION: settings_hash}
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["sovereign-runtime"],
+        "args": _runtime_args(spec, component, plan, model_arg),
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "env": _worker_env(spec),
+        "envFrom": [{"configMapRef": {"name": config_name(ref.name)}}],
+        "resources": _worker_resources(spec, pool, plan),
+        # Startup runs first with a budget sized for weight loading and JIT; liveness and
+        # readiness only count once it has succeeded.
+        "startupProbe": _probe("/health/startup", PROBE_PERIOD_SECONDS, startup_failure_threshold(budget)),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/health/ready", 5, 3),
+        "lifecycle": {
+            "preStop": {
+                "exec": {"command": ["python3", "-c", DRAIN_SCRIPT, str(spec.runtime.drain_timeout_seconds)]}
+            }
+        },
+        "volumeMounts": mounts,
+    }
+    if plan.kv_transport == "rdma":
+        # Registering memory for RDMA needs locked pages.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+        if spec.networking.rdma.networks:
+            annotations[MULTUS_ANNOTATION] = ",".join(spec.networking.rdma.networks)
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.runtime.drain_timeout_seconds + EXIT_GRACE_SECONDS,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = _sorted(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = [t.to_api() for t in pool.tolerations]
+    if pool.affinity:
+        pod_spec["affinity"] = pool.affinity
+    return {
+        "metadata": {"labels": child_labels(ref.name, component), "annotations": _sorted(annotations)},
+        "spec": pod_spec,
+    }
+
+
+# ---- children ----------------------------------------------------------------------------------
+
+
+def _config_map(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> dict[str, Any]:
+    data = {
+        "SOVEREIGN_DEPLOYMENT": ref.name,
+        "SOVEREIGN_MODE": plan.mode,
+        "SOVEREIGN_KV_TRANSPORT": plan.kv_transport or "none",
+        "SOVEREIGN_SERVED_MODEL_NAME": spec.model.name,
+        "SOVEREIGN_TENSOR_PARALLEL_SIZE": str(spec.runtime.tensor_parallel_size),
+    }
+    if plan.mode == "disaggregated":
+        data["SOVEREIGN_PREFILL_SERVICE"] = pool_name(ref.name, "prefill")
+        data["SOVEREIGN_DECODE_SERVICE"] = pool_name(ref.name, "decode")
+    if plan.kv_transport == "rdma":
+        data["SOVEREIGN_RDMA_RESOURCE"] = spec.networking.rdma.resource_name
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ref, config_name(ref.name), "config"),
+        "data": _sorted(data),
+    }
+
+
+def _headless_service(ref: DeploymentRef, component: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ref, pool_name(ref.name, component), component),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(ref.name, component),
+            "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def _stateful_set(
+    ref: DeploymentRef,
+    spec: LLMDeploymentSpec,
+    component: Component,
+    replicas: int,
+    plan: ModePlan,
+    budget: StartupBudget,
+    settings_hash: str,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(ref, pool_name(ref.name, component), component),
+        "spec": {
+            "replicas": replicas,
+            "serviceName": pool_name(ref.name, component),
+            # Starts take many minutes; ordered start-up would serialise them.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(ref.name, component)},
+            "template": _worker_pod_template(ref, spec, component, plan, budget, settings_hash),
+        },
+    }
+
+
+def _pdb(ref: DeploymentRef, component: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(ref, name, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(ref.name, component)}},
+    }
+
+
+def _router_rbac(ref: DeploymentRef) -> list[dict[str, Any]]:
+    name = router_name(ref.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(ref, name, "router")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(ref, name, "router"),
+            # The router discovers workers from the pools' EndpointSlices.
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(ref, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
+        },
+    ]
+
+
+def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> list[str]:
+    args = [
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(RUNTIME_PORT),
+        "--policy",
+        spec.router.policy,
+        "--namespace",
+        ref.namespace,
+    ]
+    if plan.mode == "disaggregated":
+        args += [
+            "--prefill-service",
+            pool_name(ref.name, "prefill"),
+            "--decode-service",
+            pool_name(ref.name, "decode"),
+        ]
+        if spec.router.disaggregation_threshold_tokens is not None:
+            args += ["--disaggregation-threshold-tokens", str(spec.router.disaggregation_threshold_tokens)]
+    else:
+        args += ["--worker-service", pool_name(ref.name, "unified")]
+    return args
+
+
+def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> dict[str, Any]:
+    router = spec.router
+    resources = merged_resources(router.resources) if router.resources else ROUTER_DEFAULT_RESOURCES
+    container = {
+        "name": "router",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["sovereign-runtime"],
+        "args": _router_args(ref, spec, plan),
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "resources": {part: _sorted(values) for part, values in sorted(resources.items()) if values},
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/health", 5, 3),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ref, router_name(ref.name), "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": selector_labels(ref.name, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": child_labels(ref.name, "router")},
+                "spec": {"serviceAccountName": router_name(ref.name), "containers": [container]},
+            },
+        },
+    }
+
+
+def _router_service(ref: DeploymentRef) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        # The OpenAI endpoint carries the deployment's own name.
+        "metadata": _metadata(ref, ref.name, "router"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(ref.name, "router"),
+            "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint_url(ref: DeploymentRef) -> str:
+    return f"http://{ref.name}.{ref.namespace}.svc:{RUNTIME_PORT}/v1"
+
+
+def render(
+    ref: DeploymentRef,
+    spec: LLMDeploymentSpec,
+    facts: ClusterFacts | None = None,
+    replica_overrides: Mapping[str, int] | None = None,
+) -> Rendered:
+    """Every child of one LLMDeployment, in apply order."""
+    plan = resolve_mode(spec, facts or ClusterFacts())
+    budget = startup_budget(spec)
+    replicas = plan_replicas(spec, plan.mode, replica_overrides or {})
+    config = _config_map(ref, spec, plan)
+    # Pods roll when the settings they read from the ConfigMap change.
+    settings_hash = hashlib.sha256(json.dumps(config["data"], sort_keys=True).encode()).hexdigest()[:16]
+
+    children: list[dict[str, Any]] = [config, *_router_rbac(ref)]
+    for component, count in replicas.items():
+        children.append(_headless_service(ref, component))
+        children.append(_stateful_set(ref, spec, component, count, plan, budget, settings_hash))
+        children.append(_pdb(ref, component, pool_name(ref.name, component)))
+    children += [
+        _router_service(ref),
+        _router_deployment(ref, spec, plan),
+        _pdb(ref, "router", router_name(ref.name)),
+    ]
+    return Rendered(
+        children=children, plan=plan, budget=budget, replicas=replicas, endpoint=endpoint_url(ref)
+    )

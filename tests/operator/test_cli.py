@@ -1,0 +1,97 @@
+"""The `sovereign-operator` CLI: crd, render, and one-line errors for invalid specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from sovereign_operator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "llmd.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_crd_prints_the_committed_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crd"]) == 0
+    assert capsys.readouterr().out == (REPO / "crds" / "sovereign.ai_llmdeployments.yaml").read_text()
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
+def test_examples_render(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(example), "--rdma-nodes", "yes"]) == 0
+    children = list(yaml.safe_load_all(capsys.readouterr().out))
+    kinds = {c["kind"] for c in children}
+    assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+
+
+def test_flagship_example_is_disaggregated_on_h200_with_rdma(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(REPO / "examples" / "deepseek-v3-pd.yaml")]) == 0
+    children = list(yaml.safe_load_all(capsys.readouterr().out))
+    statefulsets = {c["metadata"]["name"]: c for c in children if c["kind"] == "StatefulSet"}
+    assert set(statefulsets) == {"deepseek-v3-prefill", "deepseek-v3-decode"}
+    container = statefulsets["deepseek-v3-decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "--speculative-algorithm" in container["args"]
+    assert container["args"][container["args"].index("--kv-transport") + 1] == "rdma"
+
+
+def test_rdma_nodes_flag_decides_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (REPO / "examples" / "deepseek-v3-pd.yaml").read_text()
+    text = text.replace("mode: disaggregated", "mode: auto").replace('enabled: "true"', 'enabled: "auto"')
+    path = _write(tmp_path, text)
+    for flag, pools in (
+        ("yes", {"deepseek-v3-prefill", "deepseek-v3-decode"}),
+        ("no", {"deepseek-v3-unified"}),
+    ):
+        assert main(["render", "-f", path, "--rdma-nodes", flag]) == 0
+        children = list(yaml.safe_load_all(capsys.readouterr().out))
+        assert {c["metadata"]["name"] for c in children if c["kind"] == "StatefulSet"} == pools
+
+
+INVALID = [
+    ("rdma: {enabled: true}", "spec.networking.rdma.enabled", "'auto', 'true' or 'false'"),
+    ("mode: sideways", "spec.mode", "'unified', 'disaggregated' or 'auto'"),
+    ("decode: {replicas: -1}", "spec.decode.replicas", "greater than or equal to 0"),
+    ("decode: {replicas: 1, autoscaling: {maxReplicas: 2}}", "spec.decode", "either replicas or autoscaling"),
+    ("prefill: {replicas: 1}", "spec", "remove prefill"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field", "hint"), INVALID, ids=[i[1] + ":" + i[2][:12] for i in INVALID])
+def test_invalid_spec_exits_non_zero_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, field: str, hint: str
+) -> None:
+    networking = extra.startswith("rdma")
+    body = f"  networking: {{{extra}}}" if networking else f"  {extra}"
+    path = _write(
+        tmp_path,
+        "apiVersion: sovereign.ai/v1alpha1\nkind: LLMDeployment\nmetadata: {name: t}\nspec:\n"
+        "  model: {name: t, source: {builtin: sovereign-tiny}}\n  mode: unified\n" + body + "\n",
+    )
+    if extra.startswith("mode"):
+        path = _write(tmp_path, Path(path).read_text().replace("  mode: unified\n", ""))
+    assert main(["render", "-f", path]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1
+    assert f": {field}: " in lines[0] and hint in lines[0]
+
+
+def test_bad_name_and_kind_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = "spec: {model: {name: t, source: {builtin: sovereign-tiny}}}\n"
+    path = _write(
+        tmp_path, "apiVersion: sovereign.ai/v1alpha1\nkind: LLMDeployment\nmetadata: {name: 9Bad}\n" + spec
+    )
+    assert main(["render", "-f", path]) == 1
+    assert "metadata.name" in capsys.readouterr().err
+    path = _write(tmp_path, "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert main(["render", "-f", path]) == 1
+    assert "sovereign.ai/v1alpha1 LLMDeployment" in capsys.readouterr().err

@@ -1,0 +1,362 @@
+"""Rendering, table-driven: modes, RDMA on/off/auto, probe budgets, resources, labels, owners."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
+from sovereign_operator import yamlio
+from sovereign_operator.api import LLMDeploymentSpec
+from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render, startup_budget
+from sovereign_operator.render.plan import PROBE_PERIOD_SECONDS
+
+REF = DeploymentRef(name="llm", namespace="team-a", uid="uid-123", generation=3)
+RDMA = "rdma/rdma_shared_device_a"
+RDMA_NODES = ClusterFacts(frozenset({RDMA}))
+NO_RDMA = ClusterFacts()
+
+
+def _render(spec: dict[str, Any], facts: ClusterFacts = NO_RDMA, **overrides: int) -> Rendered:
+    return render(REF, LLMDeploymentSpec.model_validate(spec), facts, overrides)
+
+
+def _one(rendered: Rendered, kind: str, name: str) -> dict[str, Any]:
+    matches = [c for c in rendered.children if c["kind"] == kind and c["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name} not rendered exactly once"
+    return matches[0]
+
+
+def _container(statefulset: dict[str, Any]) -> dict[str, Any]:
+    return statefulset["spec"]["template"]["spec"]["containers"][0]
+
+
+def _arg(container: dict[str, Any], flag: str) -> str | None:
+    args = container["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+MODE_CASES = [
+    # (name, spec, facts, mode, transport, pools)
+    ("unified explicit", TINY_SPEC, RDMA_NODES, "unified", None, ["unified"]),
+    (
+        "auto without rdma nodes",
+        with_changes(DEEPSEEK_SPEC, mode="auto"),
+        NO_RDMA,
+        "unified",
+        None,
+        ["unified"],
+    ),
+    (
+        "auto with rdma nodes",
+        with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto"),
+        RDMA_NODES,
+        "disaggregated",
+        "rdma",
+        ["prefill", "decode"],
+    ),
+    (
+        "auto with rdma disabled",
+        with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="false"),
+        RDMA_NODES,
+        "unified",
+        None,
+        ["unified"],
+    ),
+    ("disaggregated rdma true", DEEPSEEK_SPEC, NO_RDMA, "disaggregated", "rdma", ["prefill", "decode"]),
+    (
+        "disaggregated rdma auto, none advertised",
+        with_changes(DEEPSEEK_SPEC, networking__rdma__enabled="auto"),
+        NO_RDMA,
+        "disaggregated",
+        "tcp",
+        ["prefill", "decode"],
+    ),
+    (
+        "disaggregated rdma false",
+        with_changes(DEEPSEEK_SPEC, networking__rdma__enabled="false"),
+        RDMA_NODES,
+        "disaggregated",
+        "tcp",
+        ["prefill", "decode"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "facts", "mode", "transport", "pools"), MODE_CASES, ids=[c[0] for c in MODE_CASES]
+)
+def test_mode_and_transport(
+    name: str,
+    spec: dict[str, Any],
+    facts: ClusterFacts,
+    mode: str,
+    transport: str | None,
+    pools: list[str],
+) -> None:
+    rendered = _render(spec, facts)
+    assert rendered.plan.mode == mode
+    assert rendered.plan.kv_transport == transport
+    statefulsets = [c["metadata"]["name"] for c in rendered.children if c["kind"] == "StatefulSet"]
+    assert statefulsets == [f"llm-{pool}" for pool in pools]
+    for pool in pools:
+        container = _container(_one(rendered, "StatefulSet", f"llm-{pool}"))
+        assert _arg(container, "--role") == pool
+        assert _arg(container, "--kv-transport") == transport
+        resources = container["resources"]
+        has_rdma = RDMA in resources.get("requests", {})
+        assert has_rdma == (transport == "rdma")
+        capabilities = container.get("securityContext", {}).get("capabilities", {}).get("add", [])
+        assert ("IPC_LOCK" in capabilities) == (transport == "rdma")
+
+
+def test_auto_unified_explains_why() -> None:
+    rendered = _render(with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto"), NO_RDMA)
+    assert RDMA in rendered.plan.reason and "TCP" in rendered.plan.reason and "slower" in rendered.plan.reason
+
+
+def test_unified_pool_takes_decode_settings() -> None:
+    spec = with_changes(TINY_SPEC, decode={"replicas": 3, "nodeSelector": {"pool": "cpu"}})
+    statefulset = _one(_render(spec), "StatefulSet", "llm-unified")
+    assert statefulset["spec"]["replicas"] == 3
+    assert statefulset["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+
+
+def test_rdma_resources_multus_and_count() -> None:
+    spec = with_changes(
+        DEEPSEEK_SPEC, networking__rdma={"enabled": "true", "count": 2, "networks": ["a", "b"]}
+    )
+    statefulset = _one(_render(spec), "StatefulSet", "llm-decode")
+    resources = _container(statefulset)["resources"]
+    assert resources["requests"][RDMA] == 2 and resources["limits"][RDMA] == 2
+    annotations = statefulset["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["k8s.v1.cni.cncf.io/networks"] == "a,b"
+
+
+def test_gpu_count_is_tensor_parallel_size_and_cpu_model_gets_none() -> None:
+    gpu = _container(_one(_render(DEEPSEEK_SPEC), "StatefulSet", "llm-prefill"))
+    assert gpu["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert _arg(gpu, "--tensor-parallel-size") == "8"
+    cpu = _container(_one(_render(TINY_SPEC), "StatefulSet", "llm-unified"))
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    assert _arg(cpu, "--model") == "builtin:sovereign-tiny"
+
+
+def test_pool_resources_merge_over_runtime_resources() -> None:
+    spec = with_changes(
+        DEEPSEEK_SPEC,
+        runtime__resources={"requests": {"cpu": "32", "memory": "1Ti"}, "limits": {"memory": "1Ti"}},
+        prefill={"replicas": 1, "resources": {"requests": {"cpu": "64"}}},
+    )
+    prefill = _container(_one(_render(spec), "StatefulSet", "llm-prefill"))["resources"]
+    decode = _container(_one(_render(spec), "StatefulSet", "llm-decode"))["resources"]
+    assert prefill["requests"]["cpu"] == "64" and prefill["requests"]["memory"] == "1Ti"
+    assert decode["requests"]["cpu"] == "32"
+
+
+@pytest.mark.parametrize(
+    ("source", "model_arg", "volume_key"),
+    [
+        ({"pvc": {"claimName": "w", "path": "/ckpt/"}}, "/models/ckpt", "persistentVolumeClaim"),
+        ({"hostPath": {"path": "/data/w"}}, "/models", "hostPath"),
+        ({"image": {"reference": "reg/weights:1", "path": "m"}}, "/models/m", "image"),
+    ],
+)
+def test_model_sources_mount_read_only(source: dict[str, Any], model_arg: str, volume_key: str) -> None:
+    statefulset = _one(
+        _render(with_changes(DEEPSEEK_SPEC, model__source=source)), "StatefulSet", "llm-decode"
+    )
+    container = _container(statefulset)
+    assert _arg(container, "--model") == model_arg
+    volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
+    assert volume_key in volumes["model"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+
+
+def test_shm_jit_cache_and_cache_environment() -> None:
+    spec = with_changes(TINY_SPEC, startup={"jitCache": {"pvc": {"claimName": "jit"}}})
+    statefulset = _one(_render(spec), "StatefulSet", "llm-unified")
+    volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["jit-cache"]["persistentVolumeClaim"]["claimName"] == "jit"
+    container = _container(statefulset)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "jit-cache")
+    for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR"):
+        assert env[variable].startswith(mount + "/")
+    assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", mount}
+
+
+BUDGET_CASES = [
+    # (name, spec changes, expected budget seconds)
+    # 671e9 bytes / (1000 MiB/s) = 640 s load; 900 s cold FP8 JIT; 60 s base.
+    ("fp8 671B cold", {}, 1600),
+    ("fp8 671B persistent cache", {"startup": {"jitCache": {"pvc": {"claimName": "c"}}}}, 60 + 640 + 240),
+    ("fp8 faster storage", {"startup": {"readBandwidthMiBps": 4000}}, 60 + 160 + 900),
+    ("bf16 doubles the bytes", {"model__precision": "bf16"}, 60 + 1280 + 300),
+    # 100 GiB at 1000 MiB/s is 102.4 s -> 103 s; 1063 s rounds up to whole 10 s probe periods.
+    ("size in GiB", {"model__parametersBillions": None, "model__weightsGiB": 100}, 1070),
+    ("override", {"startup": {"budgetSeconds": 3601}}, 3610),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "seconds"), BUDGET_CASES, ids=[c[0] for c in BUDGET_CASES])
+def test_startup_budget(name: str, changes: dict[str, Any], seconds: int) -> None:
+    spec = LLMDeploymentSpec.model_validate(with_changes(DEEPSEEK_SPEC, **changes))
+    budget = startup_budget(spec)
+    assert budget.seconds == seconds
+    assert budget.overridden == ("startup" in changes and "budgetSeconds" in changes["startup"])
+    probe = _container(_one(render(REF, spec), "StatefulSet", "llm-decode"))["startupProbe"]
+    assert probe["httpGet"]["path"] == "/health/startup"
+    assert probe["periodSeconds"] <= 10
+    assert probe["periodSeconds"] * probe["failureThreshold"] == seconds
+
+
+def test_fp8_jit_allowance_is_at_least_ten_minutes_cold_and_less_warm() -> None:
+    cold = startup_budget(LLMDeploymentSpec.model_validate(DEEPSEEK_SPEC))
+    warm = startup_budget(
+        LLMDeploymentSpec.model_validate(
+            with_changes(DEEPSEEK_SPEC, startup={"jitCache": {"pvc": {"claimName": "c"}}})
+        )
+    )
+    assert cold.jit_seconds >= 600 and warm.jit_seconds < cold.jit_seconds
+
+
+def test_liveness_readiness_and_graceful_termination() -> None:
+    spec = with_changes(TINY_SPEC, runtime={"drainTimeoutSeconds": 200})
+    statefulset = _one(_render(spec), "StatefulSet", "llm-unified")
+    container = _container(statefulset)
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert "/drain" in command[2] and command[-1] == "200"
+    assert statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 200
+
+
+def test_every_child_has_labels_and_controller_owner() -> None:
+    rendered = _render(DEEPSEEK_SPEC)
+    for child in rendered.children:
+        labels = child["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "sovereign"
+        assert labels["app.kubernetes.io/instance"] == "llm"
+        assert labels["app.kubernetes.io/managed-by"] == "sovereign-operator"
+        assert labels["app.kubernetes.io/component"] in {"prefill", "decode", "router", "config"}
+        assert child["metadata"]["namespace"] == "team-a"
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "sovereign.ai/v1alpha1",
+            "kind": "LLMDeployment",
+            "name": "llm",
+            "uid": "uid-123",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    kinds = sorted({c["kind"] for c in rendered.children})
+    assert kinds == sorted(
+        {
+            "ConfigMap",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "StatefulSet",
+            "PodDisruptionBudget",
+            "Deployment",
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "service_flags"),
+    [
+        (TINY_SPEC, {"--worker-service": "llm-unified"}),
+        (DEEPSEEK_SPEC, {"--prefill-service": "llm-prefill", "--decode-service": "llm-decode"}),
+    ],
+)
+def test_router_discovers_pools_and_serves_port_8000(
+    spec: dict[str, Any], service_flags: dict[str, str]
+) -> None:
+    rendered = _render(spec)
+    router = _one(rendered, "Deployment", "llm-router")
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "router"
+    assert _arg(container, "--namespace") == "team-a" and _arg(container, "--policy") == "cache-aware"
+    for flag, value in service_flags.items():
+        assert _arg(container, flag) == value
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "llm-router"
+    service = _one(rendered, "Service", "llm")
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"][0]["port"] == 8000
+    assert rendered.endpoint == "http://llm.team-a.svc:8000/v1"
+    role = _one(rendered, "Role", "llm-router")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+
+
+def test_pool_services_are_headless_and_pdbs_cover_every_pool() -> None:
+    rendered = _render(DEEPSEEK_SPEC)
+    for pool in ("prefill", "decode"):
+        assert _one(rendered, "Service", f"llm-{pool}")["spec"]["clusterIP"] == "None"
+        assert _one(rendered, "StatefulSet", f"llm-{pool}")["spec"]["serviceName"] == f"llm-{pool}"
+        pdb = _one(rendered, "PodDisruptionBudget", f"llm-{pool}")
+        assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == pool
+    _one(rendered, "PodDisruptionBudget", "llm-router")
+
+
+@pytest.mark.parametrize(
+    ("decode", "override", "replicas"),
+    [
+        ({"replicas": 3}, 7, 3),  # fixed replicas ignore the autoscaler
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, None, 2),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 4, 4),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 9, 5),
+        ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 0, 2),
+        ({}, None, 1),
+    ],
+)
+def test_autoscaler_overrides_stay_within_bounds(
+    decode: dict[str, Any], override: int | None, replicas: int
+) -> None:
+    overrides = {} if override is None else {"decode": override}
+    rendered = _render(with_changes(DEEPSEEK_SPEC, decode=decode), **overrides)
+    assert _one(rendered, "StatefulSet", "llm-decode")["spec"]["replicas"] == replicas
+
+
+def test_output_is_deterministic_and_settings_changes_roll_pods() -> None:
+    first = yamlio.dump_all(_render(DEEPSEEK_SPEC).children)
+    assert first == yamlio.dump_all(_render(DEEPSEEK_SPEC).children)
+    tcp = _render(with_changes(DEEPSEEK_SPEC, networking__rdma__enabled="false"))
+    rdma = _render(DEEPSEEK_SPEC)
+
+    def settings_hash(rendered: Rendered) -> str:
+        template = _one(rendered, "StatefulSet", "llm-decode")["spec"]["template"]
+        return template["metadata"]["annotations"]["sovereign.ai/settings-hash"]
+
+    assert settings_hash(tcp) != settings_hash(rdma)
+
+
+def test_extra_args_env_and_scheduling_pass_through() -> None:
+    spec = with_changes(
+        DEEPSEEK_SPEC,
+        runtime__args=["--speculative-algorithm", "mtp"],
+        runtime__env=[{"name": "NCCL_DEBUG", "value": "INFO"}],
+        prefill={
+            "replicas": 1,
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"x": 1}},
+        },
+    )
+    statefulset = _one(_render(spec), "StatefulSet", "llm-prefill")
+    container = _container(statefulset)
+    assert container["args"][-2:] == ["--speculative-algorithm", "mtp"]
+    assert {"name": "NCCL_DEBUG", "value": "INFO"} in container["env"]
+    pod = statefulset["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    assert PROBE_PERIOD_SECONDS <= 10
