@@ -77,9 +77,16 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        cfg = self.config
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.check_request(seq)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def check_request(self, seq: Sequence) -> None:
+        """Reject a request that could never run (reads only configuration: safe from any thread)."""
+        cfg = self.config
         if seq.num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
         if seq.num_prompt_tokens >= cfg.max_model_len:
@@ -93,9 +100,6 @@ class Scheduler:
                 f"prompt plus max_tokens needs {longest} tokens of KV cache; the pool holds "
                 f"{self.pool.num_blocks * self.block_size}"
             )
-        seq.status = SequenceStatus.WAITING
-        self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a request now and free its blocks; returns it, or None if unknown or already finished."""

@@ -1,0 +1,373 @@
+"""``LLMEngine`` (synchronous steps) and ``AsyncEngine`` (a background thread serving asyncio callers).
+
+Timestamps are ``time.monotonic()`` seconds: subtract them, never compare them with wall-clock time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .block_manager import KVLayout, plan_num_blocks
+from .model_runner import ModelRunner, PagedModel
+from .sampler import make_generator
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from .sequence import Sequence
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    # KV capacity (see plan_num_blocks): explicit block count, or GiB, or a fraction of free memory.
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    kv_memory_fraction: float | None = None
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # default: the model's parameter dtype
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the params.logprobs most likely (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one engine step (a streaming delta), plus running totals and times."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None  # one per new token when params.logprobs is set
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or stop token), "length", "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0  # monotonic seconds, when the engine accepted the request
+    first_token_time: float | None = None  # when the first output token was produced
+    time: float = 0.0  # when this output was produced (ITL = difference between consecutive ones)
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    prefix_cache_hit_rate: float = 0.0
+    prompt_tokens_total: int = 0  # prompt tokens run through the model (cache hits excluded)
+    generation_tokens_total: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+
+
+class LLMEngine:
+    """Synchronous engine: ``add_request``, then ``step()`` until ``has_unfinished()`` is False."""
+
+    def __init__(
+        self,
+        model: PagedModel,
+        *,
+        num_layers: int,
+        kv_cache_dim: int,
+        max_position_embeddings: int,
+        eos_token_ids: set[int] | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.device = torch.device(cfg.device)
+        dtype = cfg.dtype or next(model.parameters()).dtype  # type: ignore[attr-defined]
+        max_model_len = cfg.max_model_len or max_position_embeddings
+        layout = KVLayout(num_layers, cfg.block_size, kv_cache_dim, dtype)
+        # More blocks than max_num_seqs full contexts (twice, for the prefix cache) is wasted host RAM.
+        useful = 2 * cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
+        num_blocks = plan_num_blocks(
+            layout,
+            self.device,
+            num_kv_blocks=cfg.num_kv_blocks,
+            kv_cache_gib=cfg.kv_cache_gib,
+            memory_fraction=cfg.kv_memory_fraction,
+            max_useful_blocks=useful,
+        )
+        self.layout = layout
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=cfg.block_size,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+            ),
+            num_blocks,
+            eos_token_ids=eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            model,
+            num_layers=num_layers,
+            kv_cache_dim=kv_cache_dim,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            device=self.device,
+            dtype=dtype,
+        )
+        self.max_model_len = max_model_len
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_model(cls, model: Any, config: EngineConfig | None = None) -> LLMEngine:
+        """Build around a loaded ``sovereign_runtime.model`` model (reads its ``config``)."""
+        mc = model.config
+        eos = mc.eos_token_id
+        eos_ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+        return cls(
+            model,
+            num_layers=mc.num_hidden_layers,
+            kv_cache_dim=mc.kv_lora_rank + mc.qk_rope_head_dim,
+            max_position_embeddings=mc.max_position_embeddings,
+            eos_token_ids=eos_ids,
+            config=config,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        from ..model import load_model  # imported late: the model package is optional for engine tests
+
+        cfg = config or EngineConfig()
+        model = load_model(path, cfg.device, cfg.dtype)
+        return cls.from_model(model, cfg)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def make_sequence(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        """Validate a request without touching engine state (safe from any thread)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = getattr(getattr(self.runner.model, "config", None), "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_token_ids), len(prompt_token_ids), params)
+        seq.generator = make_generator(params.seed, self.device)
+        self.scheduler.check_request(seq)
+        return seq
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        seq = self.make_sequence(prompt_token_ids, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else self._output(seq, [], None, time.monotonic())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns an output per sequence that got a token."""
+        sched = self.scheduler
+        batch = sched.schedule()
+        if not batch.seqs:
+            return []
+        out = self.runner.execute(batch)
+        sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
+        self.prompt_tokens_total += sum(
+            min(n, s.num_prompt_tokens - s.num_computed_tokens)
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if s.num_computed_tokens < s.num_prompt_tokens
+        )
+        sched.update(batch, out.token_ids)
+        now = time.monotonic()
+        self.generation_tokens_total += len(sampled)
+        outputs = []
+        for i, seq in enumerate(sampled):
+            lp = None
+            if out.logprobs[i] is not None:
+                lp = [TokenLogprob(out.token_ids[i], out.logprobs[i], out.top_logprobs[i] or [])]  # type: ignore[arg-type]
+            outputs.append(self._output(seq, [out.token_ids[i]], lp, now))
+        return outputs
+
+    def _output(
+        self, seq: Sequence, new: list[int], lp: list[TokenLogprob] | None, now: float
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            new_logprobs=lp,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            time=now,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Convenience for tests and scripts: run prompts to completion, return the output token ids."""
+        ids = [self.add_request(p, params) for p in prompts]
+        result: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                result[o.request_id] += o.new_token_ids
+        return [result[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        cache = self.scheduler.cache
+        return EngineStats(
+            **vars(s),
+            prefix_cache_hit_rate=cache.hit_rate if cache is not None else 0.0,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_blocks=self.scheduler.pool.num_blocks,
+            block_size=self.scheduler.block_size,
+        )
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on a background thread; ``generate`` streams ``RequestOutput`` deltas.
+
+    Requests are validated in the caller's thread (errors raise ``ValueError`` at once); adds and aborts
+    reach the engine thread through a command queue it drains before each step, so the event loop never
+    waits for a model step. Closing or cancelling a ``generate`` iterator aborts its request; the engine
+    frees the blocks before its next step.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._stats = engine.stats()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="sovereign-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> AsyncEngine:
+        return cls(LLMEngine.from_pretrained(path, config))
+
+    # ---- public -------------------------------------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seq = self.engine.make_sequence(prompt_token_ids, params, rid)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[rid] = (loop, queue)
+        self._send("add", seq)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._send("abort", rid)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, taken by the engine thread after each step."""
+        return self._stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ------------------------------------------------------------------------------
+    def _send(self, kind: str, arg: Any) -> None:
+        with self._wake:
+            self._commands.append((kind, arg))
+            self._wake.notify()
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            loop, queue = stream
+            # RuntimeError: the caller's loop is closed; nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "add":
+                try:
+                    self.engine.add_sequence(arg)
+                except ValueError as e:
+                    self._deliver(arg.request_id, e)
+            else:
+                out = self.engine.abort(arg)
+                if out is not None:
+                    self._deliver(arg, out)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._commands and not engine.has_unfinished() and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                self._drain_commands()
+            try:
+                outputs = engine.step() if engine.has_unfinished() else []
+            except Exception as e:  # a model error fails the requests in flight, not the process
+                self._fail_all(e)
+                continue
+            for o in outputs:
+                self._deliver(o.request_id, o)
+            self._stats = engine.stats()
+        self._fail_all(RuntimeError("engine is shut down"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self.engine.abort(rid)
+            self._deliver(rid, error)
+        self._stats = self.engine.stats()
