@@ -39,3 +39,11 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) .cache .cluster
+
+# Container images (needs a Docker engine). IMAGE_TAG defaults to the package version.
+IMAGE_REPO ?= ghcr.io/sovereign-ai
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+.PHONY: images
+images:
+	docker build -f images/operator.Dockerfile -t $(IMAGE_REPO)/sovereign-operator:$(IMAGE_TAG) .
+	docker build -f images/runtime.Dockerfile -t $(IMAGE_REPO)/sovereign-runtime:$(IMAGE_TAG) .
