@@ -22,7 +22,8 @@ import torch
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens] int64: absolute position of each new token
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token writes (block * block_size + offset)
+    # [num_tokens] int64: cache slot each new token writes (block * block_size + offset)
+    slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor  # [batch + 1] int32: prefix sums of new-token counts per sequence
     context_lens: torch.Tensor  # [batch] int32: tokens in the cache for each sequence after this step
     block_tables: torch.Tensor  # [batch, max_blocks] int32: physical block ids, padded with -1

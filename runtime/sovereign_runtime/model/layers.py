@@ -1,0 +1,307 @@
+"""DeepSeek-V3 building blocks: RMSNorm, dense MLP, the MoE with grouped top-k routing, MLA attention.
+
+Module and parameter names follow the HF checkpoint (``self_attn.q_a_proj``, ``mlp.experts.3.up_proj``, ...)
+so weights load by name. The only global state read here is the attention metadata context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.mla_decode import mla_decode
+from .config import ModelConfig
+from .context import AttentionMetadata, get_attention_metadata
+from .rope import RotaryEmbedding
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale after casting back, as the reference implementation does.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, intermediate)
+        self.up_proj = _linear(hidden, intermediate)
+        self.down_proj = _linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def grouped_topk(
+    scores: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    mask_value: float = float("-inf"),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 (noaux_tc) expert selection from router scores [tokens, experts].
+
+    Selection uses ``scores + bias``; a group scores the sum of its two best biased experts; only the
+    best ``topk_group`` groups stay eligible and the others are masked with ``mask_value`` (−inf: biased
+    scores can be negative, so masking with 0 would let masked experts win). The weights are the unbiased
+    scores of the chosen experts, optionally renormalised, times ``routed_scaling_factor``.
+    Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k]).
+    """
+    tokens, experts = scores.shape
+    choice = scores if correction_bias is None else scores + correction_bias
+    if n_group > 1:
+        grouped = choice.view(tokens, n_group, experts // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask[:, :, None].expand(-1, -1, experts // n_group).reshape(tokens, experts)
+        choice = choice.masked_fill(~expert_mask, mask_value)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The MoE gate: fp32 weight and correction bias (kept in fp32 whatever the model dtype)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        n = int(config.n_routed_experts or 0)
+        self.weight = nn.Parameter(torch.empty(n, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        if c.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+            bias = self.e_score_correction_bias
+        else:  # DeepSeek-V2 style softmax routing has no correction bias
+            scores = logits.softmax(dim=-1)
+            bias = None
+        return grouped_topk(
+            scores,
+            bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        n = int(config.n_routed_experts or 0)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(n))
+        self.gate = Router(config)
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        # Group the (token, slot) pairs by expert and run each used expert once on its tokens.
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        token_of = order // ids.shape[1]
+        slot_w = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tok = token_of[start : start + count]
+            # Weights stay fp32 until after the product, as in the reference.
+            y = self.experts[expert](x[tok]) * slot_w[start : start + count, None]
+            out.index_add_(0, tok, y.to(x.dtype))
+            start += count
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention over the paged latent cache.
+
+    Each call writes the new tokens' [normalised latent ‖ rotated k_pe] into their cache slots, then attends
+    over every sequence's whole context from the cache. Sequences with one new token (decode) use weight
+    absorption and the MLA decode kernel; longer ones (prefill chunks) expand K/V from the latent.
+    """
+
+    # Prefill over contexts shorter than this expands per-head K/V (naive); longer ones absorb. Measured on
+    # CPU (see docs/BENCHMARKS.md): for the small head counts that run on CPU the naive form wins.
+    absorb_prefill_min_context: int = 1 << 30
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = rotary
+        self.num_heads = config.num_attention_heads
+        self.scale = config.softmax_scale
+        h, d = config.hidden_size, config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = _linear(h, self.num_heads * d)
+        else:
+            self.q_a_proj = _linear(h, config.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank)  # eps 1e-6 as in the reference, not rms_norm_eps
+            self.q_b_proj = _linear(config.q_lora_rank, self.num_heads * d)
+        self.kv_a_proj_with_mqa = _linear(h, config.kv_cache_dim)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
+        self.kv_b_proj = _linear(
+            config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim)
+        )
+        self.o_proj = _linear(self.num_heads * config.v_head_dim, h)
+        self.kv_cache: torch.Tensor | None = (
+            None  # [num_blocks, block_size, kv_cache_dim], bound by the engine
+        )
+
+    # Projections -------------------------------------------------------------------------------------
+    def _queries(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        return q_nope, RotaryEmbedding.apply(q_pe, cos, sin)
+
+    def _latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[tokens, kv_cache_dim]: the normalised latent c then the rotated k_pe (what the cache holds)."""
+        c = self.config
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(latent), RotaryEmbedding.apply(k_pe, cos, sin)], dim=-1)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into W_UK [H, nope, r] and W_UV [H, v, r]."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    # Forward -----------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(cache) first")
+        meta = get_attention_metadata()
+        cos, sin = self.rotary.cos_sin(positions)
+        q_nope, q_pe = self._queries(x, cos, sin)
+        latents = self._latents(x, cos, sin)
+        cache = self.kv_cache
+        cache.view(-1, cache.shape[-1])[meta.slot_mapping] = latents.to(cache.dtype)
+
+        if meta.is_decode:
+            out = self._decode(q_nope, q_pe, meta.block_tables, meta.context_lens)
+        else:
+            out = self._mixed(q_nope, q_pe, positions, meta)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def _decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Weight-absorbed attention for one query per sequence: no per-head K or V is built."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1)
+        o_lat = mla_decode(q, self.kv_cache, block_tables, context_lens, self.scale, self.config.kv_lora_rank)
+        return torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
+
+    def _mixed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A batch with prefill chunks: decode sequences together through the absorbed path, others one by one."""
+        c = self.config
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, c.v_head_dim)
+        starts = meta.query_start_loc.tolist()
+        qlens = [starts[i + 1] - starts[i] for i in range(meta.batch_size)]
+        decode_seqs = [i for i, n in enumerate(qlens) if n == 1]
+        if decode_seqs:
+            idx = torch.tensor(decode_seqs, device=q_nope.device)
+            rows = torch.tensor([starts[i] for i in decode_seqs], device=q_nope.device)
+            out[rows] = self._decode(
+                q_nope[rows],
+                q_pe[rows],
+                meta.block_tables[idx],
+                meta.context_lens[idx.to(meta.context_lens.device)],
+            )
+        context_lens = meta.context_lens.tolist()
+        for i, n in enumerate(qlens):
+            if n <= 1:
+                continue
+            s, e = starts[i], starts[i] + n
+            kv = self._gather(meta.block_tables[i], context_lens[i], meta.block_size)
+            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], positions[s:e], kv)
+        return out
+
+    def _gather(self, block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+        pos = torch.arange(context_len, device=block_table.device)
+        slots = block_table[pos // block_size].long() * block_size + pos % block_size
+        cache = self.kv_cache
+        return cache.view(-1, cache.shape[-1])[slots.to(cache.device)]
+
+    def _prefill(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention of one sequence's new tokens over its cached context [L, kv_cache_dim]."""
+        c = self.config
+        kv = kv.to(q_nope.dtype)
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        ctx = kv.shape[0]
+        key_pos = torch.arange(ctx, device=positions.device)
+        allowed = key_pos[None, :] <= positions[:, None]  # [q, L] causal by absolute position
+        if ctx >= self.absorb_prefill_min_context:
+            w_uk, w_uv = self._w_uk_uv()
+            q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [q, H, r+dr]
+            scores = torch.einsum("thd,ld->htl", q, kv) * self.scale
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32).to(kv.dtype)
+            return torch.einsum("htr,hvr->thv", torch.einsum("htl,lr->htr", probs, latent), w_uv)
+        kv_exp = self.kv_b_proj(latent).view(ctx, self.num_heads, -1)
+        k_nope, v = kv_exp.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=self.scale
+        )
+        return o.transpose(0, 1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, rotary)
+        self.mlp: nn.Module = (
+            MoE(config)
+            if config.is_moe_layer(layer_idx)
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
