@@ -104,6 +104,8 @@ class LLMEngine:
             max_useful_blocks=useful,
         )
         self.layout = layout
+        # A request must fit the pool on its own (else it would preempt itself forever): cap the context.
+        max_model_len = min(max_model_len, num_blocks * cfg.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=cfg.block_size,
@@ -200,8 +202,8 @@ class LLMEngine:
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if s.num_computed_tokens < s.num_prompt_tokens
         )
-        sched.update(batch, out.token_ids)
         now = time.monotonic()
+        sched.update(batch, out.token_ids, now)
         self.generation_tokens_total += len(sampled)
         outputs = []
         for i, seq in enumerate(sampled):

@@ -170,14 +170,14 @@ class Scheduler:
         sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)]
         return ScheduledBatch(seqs, counts, sample)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: list[int], now: float | None = None) -> list[Sequence]:
         """Advance after the model ran ``batch``; ``sampled`` holds one token per ``sample`` row.
 
         Returns the sequences that finished in this step (their blocks are already released).
         """
         finished: list[Sequence] = []
         it = iter(sampled)
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         for seq, n, gets_token in zip(batch.seqs, batch.num_new_tokens, batch.sample, strict=True):
             token = next(it) if gets_token else None
             if seq.status is not SequenceStatus.RUNNING:
