@@ -1,0 +1,223 @@
+"""`sovereign-runtime`: `serve` (the OpenAI server), `router` (the PD-aware router), `bench` (later).
+
+Each subcommand registers its flags with ``add_<name>_arguments`` and runs with ``run_<name>``; a new
+subcommand is one entry in ``_SUBCOMMANDS``. Usage errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+ROLES = ("unified", "prefill", "decode")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BUILTIN_PREFIX = "builtin:"
+
+
+class UsageError(Exception):
+    """A bad flag or flag combination: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block; a CLI error here is one clear line.
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True, metavar="PATH|builtin:NAME", help="HF checkpoint directory or builtin:NAME"
+    )
+    p.add_argument("--role", choices=ROLES, default="unified")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument(
+        "--served-model-name", metavar="NAME", help="model id clients send (default: from --model)"
+    )
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N")
+    p.add_argument(
+        "--max-model-len", type=_positive_int, metavar="TOKENS", help="context length (default: config)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=_positive_int, default=64, metavar="N", help="requests in one batch"
+    )
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-gib", type=_positive_float, metavar="GIB", help="KV-cache size in GiB")
+    kv.add_argument("--num-kv-blocks", type=_positive_int, metavar="N", help="KV-cache size in blocks")
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument(
+        "--api-key-file", metavar="PATH", help="file holding the API key (else $SOVEREIGN_API_KEY)"
+    )
+    p.add_argument("--drain-timeout", type=_positive_float, default=30.0, metavar="SECONDS")
+    p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def resolve_model(spec: str) -> Path:
+    """``builtin:NAME`` through ``sovereign_runtime.builtin``; otherwise a checkpoint directory."""
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX) :]
+        try:
+            from . import builtin
+        except ImportError as exc:
+            raise UsageError(f"--model {spec}: built-in models are not available ({exc})") from None
+        resolver = getattr(builtin, "resolve", None) or getattr(builtin, "model_path", None)
+        if resolver is not None:
+            try:
+                return Path(resolver(name))
+            except (KeyError, FileNotFoundError, ValueError) as exc:
+                raise UsageError(f"--model {spec}: {exc}") from None
+        path = Path(builtin.__file__).parent / name
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {spec}: no built-in model named {name!r}")
+        return path
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {spec}: not a checkpoint directory (no config.json)")
+    if not (path / "tokenizer.json").is_file():
+        raise UsageError(f"--model {spec}: no tokenizer.json next to the checkpoint")
+    return path
+
+
+def read_api_key(api_key_file: str | None) -> str | None:
+    if api_key_file:
+        try:
+            key = Path(api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror or exc}") from None
+        if not key:
+            raise UsageError(f"--api-key-file {api_key_file}: the file is empty")
+        return key
+    return os.environ.get("SOVEREIGN_API_KEY") or None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.role != "unified":
+        raise UsageError(
+            f"serve: --role {args.role} is not implemented yet (prefill/decode disaggregation comes later); "
+            "use --role unified"
+        )
+    if args.tensor_parallel_size != 1:
+        raise UsageError("serve: --tensor-parallel-size > 1 is not implemented yet; use 1")
+    model_path = resolve_model(args.model)
+    api_key = read_api_key(args.api_key_file)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from .server import ServerConfig, create_app, serve
+    from .server.loading import EngineOptions, make_loader
+
+    name = args.served_model_name or (
+        args.model if args.model.startswith(BUILTIN_PREFIX) else model_path.name
+    )
+    options = EngineOptions(
+        model_path=model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    config = ServerConfig(
+        served_model_name=name,
+        api_key=api_key,
+        drain_timeout_s=args.drain_timeout,
+        warmup=not args.no_warmup,
+        model_root=args.model,
+    )
+    app = create_app(config, loader=make_loader(options))
+    return asyncio.run(serve(app, args.host, args.port))
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    from .router.cli import add_router_arguments as add
+
+    add(p)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from .router.cli import run_router as run
+    from .router.cli import validate_router_args
+
+    problem = validate_router_args(args)
+    if problem:
+        raise UsageError(problem)
+    run(args)
+    return 0
+
+
+# name -> (help, add_arguments, run). `bench` joins here when it lands.
+_SUBCOMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
+    "serve": ("run the OpenAI-compatible server for one model", add_serve_arguments, run_serve),
+    "router": ("run the PD-aware router in front of workers", add_router_arguments, run_router),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sovereign-runtime", description="Sovereign MLA inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(_SUBCOMMANDS) + "}")
+    for name, (help_text, add, _run) in _SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            add(sp)
+        except ImportError:
+            # A subcommand whose module is not installed stays listed but says so when run.
+            sp.set_defaults(_missing=name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "_missing", None):
+            raise UsageError(f"sovereign-runtime {args._missing}: not available in this installation")
+        return _SUBCOMMANDS[args.command][2](args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

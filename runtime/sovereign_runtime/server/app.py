@@ -1,0 +1,632 @@
+"""The aiohttp application: OpenAI routes, health, drain and metrics over one ``ServerState``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser, Tokenizer
+from .generation import Step, TopLogprobs, run_request
+from .metrics import ServerMetrics
+from .protocol import (
+    APIError,
+    SamplingRequest,
+    parse_chat_request,
+    parse_completion_request,
+    resolve_max_tokens,
+)
+from .state import LoadedRuntime, Loader, ServerState
+
+log = logging.getLogger("sovereign_runtime.server")
+
+STATE = web.AppKey("state", ServerState)
+CONFIG = web.AppKey("config", "ServerConfig")
+METRICS = web.AppKey("metrics", ServerMetrics)
+LOADER = web.AppKey("loader", object)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    warmup: bool = True
+    model_root: str | None = None
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+def _error_response(err: APIError) -> web.Response:
+    return _json(err.body(), status=err.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if not request.path.startswith("/v1/") or exc.status < 400:
+            raise
+        kind = "not_found" if exc.status == 404 else "invalid_request_error"
+        return _error_response(
+            APIError(f"{request.method} {request.path}: {exc.reason}", status=exc.status, type=kind)
+        )
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(APIError("internal server error", status=500, type="internal_error"))
+
+
+def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # Probes and scrapes stay open; the API and the drain switch need the key.
+        if request.path.startswith("/v1/") or request.path == "/drain":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise APIError(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    status=401,
+                    code="invalid_api_key",
+                )
+        return await handler(request)
+
+    return _auth
+
+
+def create_app(
+    config: ServerConfig,
+    *,
+    loader: Loader | None = None,
+    runtime: LoadedRuntime | None = None,
+) -> web.Application:
+    """Build the app. Give either a ``loader`` (run later by ``start_loading``) or a ready ``runtime``."""
+    if (loader is None) == (runtime is None):
+        raise ValueError("give exactly one of loader or runtime")
+    middlewares = [_errors]
+    if config.api_key:
+        middlewares.append(_auth_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    state = ServerState()
+    app[STATE] = state
+    app[CONFIG] = config
+    app[METRICS] = ServerMetrics(
+        config.served_model_name,
+        stats=lambda: state.runtime.engine.stats() if state.runtime else None,
+        phase=lambda: state.phase,
+    )
+    app[LOADER] = loader
+    if runtime is not None:
+        state.runtime = runtime
+        state.report("ready", 1.0, "")
+    api = _Api(app)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/health/ready", api.ready)
+    app.router.add_get("/health/startup", api.startup)
+    app.router.add_post("/drain", api.drain)
+    app.router.add_get("/metrics", api.metrics)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/chat/completions", api.chat)
+    app.router.add_post("/v1/completions", api.completions)
+    app.on_cleanup.append(_close_runtime)
+    return app
+
+
+async def _close_runtime(app: web.Application) -> None:
+    task = app[STATE].startup_task
+    if task is not None and not task.done():
+        task.cancel()
+    rt = app[STATE].runtime
+    if rt is not None and rt.close is not None:
+        result = rt.close()
+        if asyncio.iscoroutine(result):
+            await result
+
+
+def start_loading(app: web.Application) -> asyncio.Task[None]:
+    """Run the loader in a thread, then warm up; call after the server is listening."""
+    task = asyncio.get_running_loop().create_task(_startup(app))
+    app[STATE].startup_task = task
+    return task
+
+
+async def _startup(app: web.Application) -> None:
+    state, config, loader = app[STATE], app[CONFIG], app[LOADER]
+    if loader is None:
+        return
+    try:
+        state.report("loading_weights", 0.0, "starting")
+        rt: LoadedRuntime = await asyncio.to_thread(loader, state.report)
+        if rt.on_loop_start is not None:
+            result = rt.on_loop_start()
+            if asyncio.iscoroutine(result):
+                await result
+        state.runtime = rt
+        if config.warmup:
+            await _warm_up(state, rt)
+        state.report("ready", 1.0, "")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("startup failed")
+        state.error = f"{type(exc).__name__}: {exc}"
+        state.report("failed", state.progress, state.error)
+        state.stop_requested.set()
+
+
+async def _warm_up(state: ServerState, rt: LoadedRuntime) -> None:
+    """Run real requests so kernels compile and caches fill before /health/ready says yes."""
+    from ..engine import SamplingParams  # imported late: the server module itself stays torch-free
+
+    token = rt.tokenizer.bos_token_id or 0
+    for phase, batch in (("compiling", 1), ("warming_up", 2)):
+        state.report(phase, 0.0, f"{batch} warm-up request(s)")
+
+        async def one(i: int, batch: int = batch, phase: str = phase) -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            async with aclosing(
+                rt.engine.generate([token] * (4 + i), params, request_id=f"warmup-{phase}-{i}")
+            ) as g:
+                async for _ in g:
+                    pass
+
+        await asyncio.gather(*(one(i) for i in range(batch)))
+        state.report(phase, 1.0, "done")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Api:
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.state = app[STATE]
+        self.config = app[CONFIG]
+        self.server_metrics = app[METRICS]
+
+    # ---- health, drain, metrics -------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.state.draining:
+            return _json({"status": "draining", "in_flight": self.state.in_flight}, status=503)
+        if not self.state.ready:
+            return _json({"status": "starting", **self.state.snapshot()}, status=503)
+        return _json({"status": "ready"})
+
+    async def startup(self, request: web.Request) -> web.Response:
+        snap = self.state.snapshot()
+        return _json(snap, status=200 if snap["phase"] == "ready" else 503)
+
+    async def drain(self, request: web.Request) -> web.Response:
+        self.state.begin_drain()
+        return _json({"status": "draining", "in_flight": self.state.in_flight}, status=202)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.server_metrics.render()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card: dict[str, Any] = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": int(self.state.started_at),
+            "owned_by": "sovereign",
+            "root": self.config.model_root or self.config.served_model_name,
+        }
+        if self.state.runtime is not None:
+            card["max_model_len"] = self.state.runtime.max_model_len
+        return _json({"object": "list", "data": [card]})
+
+    # ---- shared request plumbing -------------------------------------------------------------------
+
+    def _runtime(self) -> LoadedRuntime:
+        if self.state.draining:
+            raise APIError(
+                "the server is draining and accepts no new requests", status=503, type="service_unavailable"
+            )
+        rt = self.state.runtime
+        if rt is None or not self.state.ready:
+            raise APIError(
+                f"the model is not ready yet (phase {self.state.phase})",
+                status=503,
+                type="service_unavailable",
+            )
+        return rt
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(f"could not parse the JSON body: {exc}", code="invalid_json") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(
+                f"the model '{model}' does not exist; this server serves '{self.config.served_model_name}'",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def _params(self, s: SamplingRequest, max_tokens: int, tokenizer: Tokenizer) -> Any:
+        from ..engine import SamplingParams
+
+        try:
+            return SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                max_tokens=max_tokens,
+                seed=s.seed,
+                stop_token_ids=list(s.stop_token_ids),
+                ignore_eos=s.ignore_eos,
+                logprobs=s.logprobs,
+                min_tokens=min(s.min_tokens, max_tokens),
+            )
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise APIError(str(exc), param=param, code="invalid_value") from None
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        rt = self._runtime()
+        req = parse_chat_request(await self._body(request), rt.max_model_len)
+        self._check_model(req.model)
+        try:
+            prompt_text, prompt_ids = rt.tokenizer.encode_chat(req.messages, req.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise APIError(str(exc), param="messages", code="invalid_value") from None
+        max_tokens = resolve_max_tokens(
+            req.sampling, len(prompt_ids), rt.max_model_len, None, param="messages"
+        )
+        params = self._params(req.sampling, max_tokens, rt.tokenizer)
+        started_thinking = prompt_text.rstrip().endswith(THINK_START)
+        rid = _new_id("chatcmpl")
+        steps = run_request(
+            rt.engine, rt.tokenizer, self.server_metrics, prompt_ids, params, req.sampling.stop, rid
+        )
+        self.state.request_started()
+        try:
+            async with aclosing(steps):
+                if req.stream:
+                    return await self._chat_stream(
+                        request, rt, req.include_usage, steps, rid, started_thinking
+                    )
+                return await self._chat_full(rt, steps, rid, started_thinking)
+        finally:
+            self.state.request_finished()
+
+    async def _chat_full(
+        self, rt: LoadedRuntime, steps: AsyncIterator[Step], rid: str, started_thinking: bool
+    ) -> web.Response:
+        text, lps, last = [], [], None
+        async for step in steps:
+            text.append(step.text)
+            lps.extend(zip(step.token_ids, step.logprobs, strict=False))
+            last = step
+        assert last is not None
+        reasoning, content = ReasoningParser.split("".join(text), started_thinking)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+            "logprobs": self._chat_logprobs(rt.tokenizer, lps) if lps else None,
+            "finish_reason": last.finish_reason,
+        }
+        return _json(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.config.served_model_name,
+                "choices": [choice],
+                "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+            }
+        )
+
+    async def _chat_stream(
+        self,
+        request: web.Request,
+        rt: LoadedRuntime,
+        include_usage: bool,
+        steps: AsyncIterator[Step],
+        rid: str,
+        started_thinking: bool,
+    ) -> web.StreamResponse:
+        resp = await self._open_stream(request)
+        created = int(time.time())
+        parser = ReasoningParser(started_thinking)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+            return _sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.config.served_model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                    **({"usage": None} if include_usage else {}),
+                }
+            )
+
+        await resp.write(chunk({"role": "assistant", "content": ""}))
+        last: Step | None = None
+        try:
+            async for step in steps:
+                last = step
+                reasoning, content = parser.feed(step.text)
+                if step.finish_reason is not None:
+                    r2, c2 = parser.flush()
+                    reasoning, content = reasoning + r2, content + c2
+                lps = list(zip(step.token_ids, step.logprobs, strict=False))
+                logprobs = self._chat_logprobs(rt.tokenizer, lps) if any(lp for _, lp in lps) else None
+                if reasoning:
+                    await resp.write(chunk({"reasoning_content": reasoning}))
+                if content or logprobs:
+                    await resp.write(chunk({"content": content}, logprobs=logprobs))
+                if step.finish_reason is not None:
+                    await resp.write(chunk({}, finish=step.finish_reason))
+        except Exception as exc:
+            await self._stream_error(resp, exc)
+            return resp
+        if include_usage and last is not None:
+            await resp.write(
+                _sse(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": self.config.served_model_name,
+                        "choices": [],
+                        "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+                    }
+                )
+            )
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_error(self, resp: web.StreamResponse, exc: Exception) -> None:
+        # Headers are already sent: report the failure in-band, then end the stream cleanly.
+        if isinstance(exc, ConnectionResetError):
+            raise exc
+        log.exception("request failed while streaming")
+        err = (
+            exc
+            if isinstance(exc, APIError)
+            else APIError("internal server error", status=500, type="internal_error")
+        )
+        await resp.write(_sse(err.body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await resp.prepare(request)
+        return resp
+
+    @staticmethod
+    def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _chat_logprobs(
+        self, tokenizer: Tokenizer, lps: list[tuple[int, tuple[float, TopLogprobs] | None]]
+    ) -> Any:
+        content = []
+        for token_id, lp in lps:
+            if lp is None:
+                continue
+            entry = self._token_entry(tokenizer, token_id, lp[0])
+            entry["top_logprobs"] = [self._token_entry(tokenizer, t, v) for t, v in lp[1]]
+            content.append(entry)
+        return {"content": content}
+
+    # ---- /v1/completions ---------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        rt = self._runtime()
+        req = parse_completion_request(await self._body(request), rt.max_model_len, rt.tokenizer.vocab_size)
+        self._check_model(req.model)
+        jobs = []
+        for prompt in req.prompts:
+            ids = rt.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            if not ids:
+                raise APIError("'prompt' must not be empty", param="prompt", code="invalid_value")
+            max_tokens = resolve_max_tokens(
+                req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
+            )
+            jobs.append((ids, self._params(req.sampling, max_tokens, rt.tokenizer)))
+        rid = _new_id("cmpl")
+        self.state.request_started()
+        try:
+            streams = [
+                run_request(
+                    rt.engine, rt.tokenizer, self.server_metrics, ids, params, req.sampling.stop, f"{rid}-{i}"
+                )
+                for i, (ids, params) in enumerate(jobs)
+            ]
+            try:
+                if req.stream:
+                    return await self._completion_stream(request, rt, req.include_usage, streams, rid)
+                return await self._completion_full(rt, streams, rid)
+            finally:
+                for s in streams:
+                    await s.aclose()
+        finally:
+            self.state.request_finished()
+
+    def _completion_choice(
+        self, tokenizer: Tokenizer, index: int, text: str, lps: list[Any], finish: str | None
+    ) -> dict[str, Any]:
+        logprobs = None
+        if lps and any(lp for _, lp in lps):
+            tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+            for token_id, lp in lps:
+                if lp is None:
+                    continue
+                tok = tokenizer.decode([token_id])
+                tokens.append(tok)
+                token_lps.append(lp[0])
+                tops.append({tokenizer.decode([t]): v for t, v in lp[1]})
+                offsets.append(offset)
+                offset += len(tok)
+            logprobs = {
+                "tokens": tokens,
+                "token_logprobs": token_lps,
+                "top_logprobs": tops,
+                "text_offset": offsets,
+            }
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    async def _completion_full(
+        self, rt: LoadedRuntime, streams: list[AsyncIterator[Step]], rid: str
+    ) -> web.Response:
+        async def collect(stream: AsyncIterator[Step]) -> tuple[str, list[Any], Step]:
+            text, lps, last = [], [], None
+            async for step in stream:
+                text.append(step.text)
+                lps.extend(zip(step.token_ids, step.logprobs, strict=False))
+                last = step
+            assert last is not None
+            return "".join(text), lps, last
+
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        choices = [
+            self._completion_choice(rt.tokenizer, i, text, lps, last.finish_reason)
+            for i, (text, lps, last) in enumerate(results)
+        ]
+        usage = _usage(
+            sum(r[2].prompt_tokens for r in results),
+            sum(r[2].completion_tokens for r in results),
+            sum(r[2].cached_tokens for r in results),
+        )
+        return _json(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.config.served_model_name,
+                "choices": choices,
+                "usage": usage,
+            }
+        )
+
+    async def _completion_stream(
+        self,
+        request: web.Request,
+        rt: LoadedRuntime,
+        include_usage: bool,
+        streams: list[AsyncIterator[Step]],
+        rid: str,
+    ) -> web.StreamResponse:
+        resp = await self._open_stream(request)
+        created = int(time.time())
+        queue: asyncio.Queue[tuple[int, Step | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[Step]) -> None:
+            try:
+                async for step in stream:
+                    await queue.put((i, step))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        finals: dict[int, Step] = {}
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, step = await queue.get()
+                if step is None:
+                    remaining -= 1
+                    continue
+                finals[i] = step
+                lps = list(zip(step.token_ids, step.logprobs, strict=False))
+                if not step.text and step.finish_reason is None and not any(lp for _, lp in lps):
+                    continue
+                choice = self._completion_choice(rt.tokenizer, i, step.text, lps, step.finish_reason)
+                body = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.config.served_model_name,
+                    "choices": [choice],
+                }
+                if include_usage:
+                    body["usage"] = None
+                await resp.write(_sse(body))
+            for t in tasks:
+                t.result()  # surface an engine error
+        except Exception as exc:
+            await self._stream_error(resp, exc)
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if include_usage:
+            usage = _usage(
+                sum(s.prompt_tokens for s in finals.values()),
+                sum(s.completion_tokens for s in finals.values()),
+                sum(s.cached_tokens for s in finals.values()),
+            )
+            await resp.write(
+                _sse(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.config.served_model_name,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
+            )
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

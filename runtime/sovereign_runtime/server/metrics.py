@@ -1,0 +1,177 @@
+"""Prometheus metrics with the vLLM-compatible names pinned in docs/CONTRACTS.md.
+
+Request-level histograms and token counters are observed by the server as outputs stream; engine gauges
+(running/waiting requests, KV usage, prefix-cache counters) are read from ``engine.stats()`` at scrape
+time by a custom collector, so they are never stale. Each app gets its own registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+STARTUP_PHASES = ("loading_weights", "compiling", "warming_up", "ready", "failed")
+FINISHED_REASONS = ("stop", "length", "abort")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)  # fmt: skip
+
+# engine.stats() keys -> gauge names. Several spellings are accepted so the engine can evolve.
+_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "vllm:num_requests_running": (("num_requests_running", "running"), "Requests in the running batch."),
+    "vllm:num_requests_waiting": (
+        ("num_requests_waiting", "waiting"),
+        "Requests queued by admission control.",
+    ),
+    "vllm:kv_cache_usage_perc": (
+        ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
+        "Fraction (0..1) of KV-cache blocks in use.",
+    ),
+    "vllm:gpu_cache_usage_perc": (
+        ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
+        "Fraction (0..1) of KV-cache blocks in use (vLLM's older name).",
+    ),
+    "sovereign:prompt_tokens_waiting": (
+        ("prompt_tokens_waiting",),
+        "Prompt tokens not yet prefilled (queued and partially prefilled).",
+    ),
+}
+_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "vllm:prefix_cache_queries": (
+        ("prefix_cache_queries", "prefix_cache_queries_total"),
+        "Prompt tokens looked up in the radix prefix cache.",
+    ),
+    "vllm:prefix_cache_hits": (
+        ("prefix_cache_hits", "prefix_cache_hits_total"),
+        "Prompt tokens found in the radix prefix cache.",
+    ),
+}
+
+
+def _pick(stats: Mapping[str, Any], keys: tuple[str, ...]) -> float:
+    for k in keys:
+        v = stats.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return float(v)
+    return 0.0
+
+
+def _as_mapping(stats: Any) -> Mapping[str, Any]:
+    # The engine returns a dataclass snapshot; fakes and older engines may return a dict.
+    if stats is None:
+        return {}
+    if isinstance(stats, Mapping):
+        return stats
+    if dataclasses.is_dataclass(stats):
+        return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    return vars(stats)
+
+
+class _EngineCollector(Collector):
+    def __init__(
+        self, model_name: str, stats: Callable[[], Mapping[str, Any] | None], phase: Callable[[], str]
+    ):
+        self._model = model_name
+        self._stats = stats
+        self._phase = phase
+
+    def collect(self) -> Iterator[Metric]:
+        stats = _as_mapping(self._stats())
+        for name, (keys, doc) in _GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], _pick(stats, keys))
+            yield g
+        for name, (keys, doc) in _COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], _pick(stats, keys))
+            yield c
+        queries = _pick(stats, _COUNTERS["vllm:prefix_cache_queries"][0])
+        hits = _pick(stats, _COUNTERS["vllm:prefix_cache_hits"][0])
+        rate = GaugeMetricFamily(
+            "sovereign:prefix_cache_hit_rate",
+            "Prefix-cache hits / queries since start.",
+            labels=["model_name"],
+        )
+        rate.add_metric([self._model], hits / queries if queries else 0.0)
+        yield rate
+        phase = GaugeMetricFamily(
+            "sovereign:startup_phase", "1 for the current startup phase.", labels=["model_name", "phase"]
+        )
+        current = self._phase()
+        for p in STARTUP_PHASES:
+            phase.add_metric([self._model, p], 1.0 if p == current else 0.0)
+        yield phase
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], Any],
+        phase: Callable[[], str],
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Arrival to first token.",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Gap between consecutive output tokens.",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Gap between consecutive output tokens (vLLM's older name).",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels, registry=r, buckets=_E2E_BUCKETS
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", labels, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=r
+        )
+        for reason in FINISHED_REASONS:
+            self._success.labels(model_name, reason)
+        r.register(_EngineCollector(model_name, stats, phase))
+
+    def observe_token_gap(self, seconds: float, tokens: int) -> None:
+        # A step that returns k tokens at once (e.g. speculative decoding) counts k equal gaps.
+        per = seconds / max(tokens, 1)
+        for _ in range(max(tokens, 1)):
+            self.itl.observe(per)
+            self.tpot.observe(per)
+
+    def observe_finish(
+        self, reason: str, prompt_tokens: int, completion_tokens: int, e2e_seconds: float
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self._success.labels(self.model_name, reason if reason in FINISHED_REASONS else "abort").inc()
+        self.e2e.observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

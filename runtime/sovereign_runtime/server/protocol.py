@@ -1,0 +1,322 @@
+"""OpenAI request validation and error shapes: pure functions from a JSON body to typed requests.
+
+Every user error becomes an ``APIError`` naming the offending parameter, so the HTTP layer only maps it to
+``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class APIError(Exception):
+    """A client-visible error with an HTTP status and an OpenAI-style body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class SamplingRequest:
+    """Sampling fields shared by both endpoints, already range-checked."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: chosen token plus n alternatives
+    min_tokens: int = 0
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    sampling: SamplingRequest
+    stream: bool = False
+    include_usage: bool = False
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    sampling: SamplingRequest
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(param: str, message: str, code: str | None = "invalid_value") -> APIError:
+    return APIError(message, param=param, code=code)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _get_number(
+    body: dict[str, Any], name: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(name, f"'{name}' must be a number, got {_type_name(value)}", "invalid_type")
+    if value != value or (value <= lo if lo_open else value < lo) or value > hi:
+        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise _bad(name, f"'{name}' must be in {interval}, got {value}")
+    return float(value)
+
+
+def _get_int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise _bad(name, f"'{name}' must be an integer, got {_type_name(value)}", "invalid_type")
+    if lo is not None and value < lo:
+        raise _bad(name, f"'{name}' must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise _bad(name, f"'{name}' must be <= {hi}, got {value}")
+    return value
+
+
+def _get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"'{name}' must be a boolean, got {_type_name(value)}", "invalid_type")
+    return value
+
+
+def _parse_sampling(body: dict[str, Any], max_model_len: int, chat: bool) -> SamplingRequest:
+    s = SamplingRequest()
+    s.temperature = _get_number(body, "temperature", 1.0, 0.0, 2.0)
+    s.top_p = _get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _get_int(body, "top_k", lo=-1)
+    s.top_k = 0 if top_k in (None, -1) else top_k
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _get_int(body, name)
+        if value is None:
+            continue
+        if value < 1:
+            raise _bad(name, f"'{name}' must be at least 1, got {value}")
+        if value > max_model_len:
+            raise _bad(
+                name, f"'{name}' is {value}, more than this model's context length of {max_model_len} tokens"
+            )
+        if s.max_tokens is None:
+            s.max_tokens = value
+    s.seed = _get_int(body, "seed", lo=0, hi=2**63 - 1)
+    s.min_tokens = _get_int(body, "min_tokens", lo=0) or 0
+    stop = body.get("stop")
+    if stop is None:
+        s.stop = []
+    elif isinstance(stop, str):
+        s.stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        s.stop = [x for x in stop if x]
+    else:
+        raise _bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise _bad(
+                "stop_token_ids", "'stop_token_ids' must be a list of non-negative integers", "invalid_type"
+            )
+        s.stop_token_ids = list(ids)
+    s.ignore_eos = _get_bool(body, "ignore_eos")
+    if chat:
+        if _get_bool(body, "logprobs"):
+            s.logprobs = _get_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS) or 0
+        elif body.get("top_logprobs") not in (None, 0):
+            raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    else:
+        s.logprobs = _get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+    n = _get_int(body, "n", lo=1)
+    if n is not None and n != 1:
+        raise _bad("n", f"only 'n': 1 is supported, got {n}", "unsupported_value")
+    best_of = _get_int(body, "best_of", lo=1)
+    if best_of is not None and best_of != 1:
+        raise _bad("best_of", "only 'best_of': 1 is supported", "unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get_number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise _bad(name, f"'{name}' is not supported; send 0 or leave it out", "unsupported_value")
+    return s
+
+
+def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get_bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("stream_options", "'stream_options' must be an object", "invalid_type")
+        if not stream:
+            raise _bad("stream_options", "'stream_options' is only allowed with 'stream': true")
+        include_usage = _get_bool(options, "include_usage")
+    return stream, include_usage
+
+
+def _parse_model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", f"'model' must be a string, got {_type_name(model)}", "invalid_type")
+    return model
+
+
+def _message_text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise _bad(
+                    f"messages[{index}].content", "only text content parts are supported", "invalid_type"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(
+        f"messages[{index}].content", "'content' must be a string or a list of text parts", "invalid_type"
+    )
+
+
+def parse_chat_request(body: Any, max_model_len: int) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_type")
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list of messages", "invalid_type")
+    clean: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _bad(
+                f"messages[{i}]", "each message must be an object with 'role' and 'content'", "invalid_type"
+            )
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise _bad(f"messages[{i}].role", f"'role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        out = dict(msg)
+        out["content"] = _message_text(msg.get("content"), i)
+        if out["content"] is None and role != "assistant":
+            raise _bad(f"messages[{i}].content", "'content' is required", "missing_required_parameter")
+        clean.append(out)
+    stream, include_usage = _parse_stream(body)
+    return ChatRequest(
+        model=_parse_model(body),
+        messages=clean,
+        sampling=_parse_sampling(body, max_model_len, chat=True),
+        stream=stream,
+        include_usage=include_usage,
+        add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
+    )
+
+
+def _is_token_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def parse_completion_request(body: Any, max_model_len: int, vocab_size: int) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_type")
+    if "prompt" not in body or body["prompt"] is None:
+        raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
+    prompt = body["prompt"]
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _is_token_list(prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(_is_token_list(p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise _bad(
+            "prompt",
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            "invalid_type",
+        )
+    for p in prompts:
+        if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
+            raise _bad("prompt", f"token ids in 'prompt' must be in [0, {vocab_size})")
+    if _get_bool(body, "echo"):
+        raise _bad("echo", "'echo' is not supported", "unsupported_value")
+    if body.get("suffix"):
+        raise _bad("suffix", "'suffix' is not supported", "unsupported_value")
+    stream, include_usage = _parse_stream(body)
+    return CompletionRequest(
+        model=_parse_model(body),
+        prompts=prompts,
+        sampling=_parse_sampling(body, max_model_len, chat=False),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def resolve_max_tokens(
+    sampling: SamplingRequest, prompt_len: int, max_model_len: int, default: int | None, param: str = "prompt"
+) -> int:
+    """The request's token budget; 400 naming the parameter when prompt plus output exceed the context."""
+    if prompt_len >= max_model_len:
+        raise APIError(
+            f"the prompt is {prompt_len} tokens, but this model's context length is {max_model_len} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if sampling.max_tokens is None:
+        return max_model_len - prompt_len if default is None else min(default, max_model_len - prompt_len)
+    if prompt_len + sampling.max_tokens > max_model_len:
+        raise APIError(
+            f"this model's context length is {max_model_len} tokens; the prompt has {prompt_len} and "
+            f"max_tokens asks for {sampling.max_tokens} more ({prompt_len + sampling.max_tokens}); "
+            "shorten the prompt or lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return sampling.max_tokens

@@ -1,0 +1,78 @@
+"""Run the app: listen first, then load in the background; drain on SIGTERM or ``POST /drain``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .app import CONFIG, STATE, start_loading
+
+log = logging.getLogger("sovereign_runtime.server")
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Listen on host:port (0 picks a free port), then start loading the model."""
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    bound = sockets[0].getsockname()[1] if sockets else port
+    start_loading(app)
+    return RunningServer(runner, host, bound)
+
+
+async def serve(app: web.Application, host: str, port: int) -> int:
+    """Serve until drained (SIGTERM/SIGINT/``POST /drain``) or startup fails; return the exit code."""
+    state = app[STATE]
+    server = await start_server(app, host, port)
+    log.info("listening on %s", server.url)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, state.begin_drain)
+    try:
+        drain = asyncio.create_task(state.drain_requested.wait())
+        failed = asyncio.create_task(state.stop_requested.wait())
+        await asyncio.wait({drain, failed}, return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
+        failed.cancel()
+        if state.stop_requested.is_set():
+            log.error("startup failed: %s", state.error)
+            return 1
+        await wait_drained(app)
+        log.info("drained; shutting down")
+        return 0
+    finally:
+        await server.close()
+
+
+async def wait_drained(app: web.Application) -> bool:
+    """Wait until in-flight requests finish after a drain, bounded by the drain timeout."""
+    state, config = app[STATE], app[CONFIG]
+    try:
+        await asyncio.wait_for(state.drained.wait(), timeout=config.drain_timeout_s)
+        return True
+    except TimeoutError:
+        log.warning("drain timed out with %d request(s) in flight; aborting them", state.in_flight)
+        return False

@@ -1,0 +1,100 @@
+"""Server lifecycle: startup phases, readiness, drain bookkeeping. No HTTP here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..tokenizer import Tokenizer
+
+log = logging.getLogger("sovereign_runtime.server")
+
+ProgressFn = Callable[[str, float, str], None]
+
+
+class EngineLike(Protocol):
+    """What the server needs from ``sovereign_runtime.engine.AsyncEngine`` (docs/CONTRACTS.md)."""
+
+    def generate(
+        self, prompt_token_ids: Sequence[int], params: Any, request_id: str | None = None
+    ) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+    def stats(self) -> Mapping[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class LoadedRuntime:
+    engine: EngineLike
+    tokenizer: Tokenizer
+    max_model_len: int
+    # Optional coroutine function run on the event loop after loading (e.g. engine.start()).
+    on_loop_start: Callable[[], Any] | None = None
+    # Optional release hook called at shutdown (e.g. engine.shutdown()).
+    close: Callable[[], Any] | None = None
+
+
+Loader = Callable[[ProgressFn], LoadedRuntime]
+
+
+class ServerState:
+    """Phase, progress and drain state shared by the handlers and the startup task."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the loader thread reports progress
+        self.phase = "loading_weights"
+        self.progress = 0.0
+        self.detail = "waiting to start"
+        self.started_at = time.time()
+        self.runtime: LoadedRuntime | None = None
+        self.error: str | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.drained = asyncio.Event()
+        self.drain_requested = asyncio.Event()
+        self.startup_task: asyncio.Task[None] | None = None
+        self.stop_requested = asyncio.Event()
+
+    def report(self, phase: str, progress: float, detail: str = "") -> None:
+        with self._lock:
+            self.phase = phase
+            self.progress = max(0.0, min(1.0, float(progress)))
+            self.detail = detail
+        log.info("startup phase %s %.0f%% %s", phase, 100 * self.progress, detail)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            body: dict[str, Any] = {"phase": self.phase}
+            if self.phase != "ready":
+                body["progress"] = round(self.progress, 4)
+                body["detail"] = self.detail
+            body["elapsed_s"] = round(time.time() - self.started_at, 3)
+            if self.error:
+                body["error"] = self.error
+            return body
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and self.runtime is not None
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+
+    def request_finished(self) -> None:
+        self.in_flight -= 1
+        if self.draining and self.in_flight <= 0:
+            self.drained.set()
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            log.info("draining: %d request(s) in flight", self.in_flight)
+        self.draining = True
+        self.drain_requested.set()
+        if self.in_flight <= 0:
+            self.drained.set()
