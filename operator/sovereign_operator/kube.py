@@ -1,0 +1,107 @@
+"""The thin layer between the operator and the apiserver (lightkube, async).
+
+Every write is a server-side apply under one field manager with force, or a merge patch of
+`status`; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightkube import AsyncClient, codecs
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.apps_v1 import Deployment, StatefulSet
+from lightkube.resources.core_v1 import Node, Pod, Service
+from lightkube.resources.policy_v1 import PodDisruptionBudget
+from lightkube.types import PatchType
+
+from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
+from sovereign_operator.observe import Observed
+from sovereign_operator.render.children import MANAGED_BY
+
+FIELD_MANAGER = "sovereign-operator"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+LLMDeploymentResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+# Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
+_PRUNABLE = (StatefulSet, Service, PodDisruptionBudget)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+
+
+class Kube:
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        # In-cluster service account, else KUBECONFIG / ~/.kube/config.
+        return cls(AsyncClient(field_manager=FIELD_MANAGER))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def apply(self, child: dict[str, Any]) -> None:
+        await self.client.apply(codecs.from_dict(child), field_manager=FIELD_MANAGER, force=True)
+
+    def _owned(self, instance: str) -> dict[str, str]:
+        return {INSTANCE_LABEL: instance, MANAGED_BY_LABEL: MANAGED_BY}
+
+    async def prune(
+        self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
+    ) -> list[str]:
+        """Delete pool children this deployment owns that the current render no longer has."""
+        deleted = []
+        for kind in _PRUNABLE:
+            async for obj in self.client.list(kind, namespace=namespace, labels=self._owned(instance)):
+                meta = obj.metadata
+                owners = [ref.uid for ref in (meta.ownerReferences or []) if ref.controller]
+                if (kind.__name__, meta.name) in keep or owner_uid not in owners:
+                    continue
+                await self.client.delete(kind, meta.name, namespace=namespace)
+                deleted.append(f"{kind.__name__}/{meta.name}")
+        return deleted
+
+    async def advertised_resources(self) -> frozenset[str]:
+        """Extended resources with a non-zero allocatable quantity on at least one node."""
+        names: set[str] = set()
+        async for node in self.client.list(Node):
+            allocatable = (node.status.allocatable if node.status else None) or {}
+            names.update(name for name, quantity in allocatable.items() if str(quantity) not in ("0", ""))
+        return frozenset(names)
+
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        from lightkube import ApiError
+
+        try:
+            return _as_dict(await self.client.get(LLMDeploymentResource, name, namespace=namespace))
+        except ApiError as error:
+            if error.status.code == 404:
+                return None
+            raise
+
+    async def observe(self, namespace: str, instance: str) -> Observed:
+        labels = self._owned(instance)
+        statefulsets: dict[str, dict[str, Any]] = {}
+        async for sts in self.client.list(StatefulSet, namespace=namespace, labels=labels):
+            component = (sts.metadata.labels or {}).get(COMPONENT_LABEL)
+            if component:
+                statefulsets[component] = _as_dict(sts)
+        router = None
+        async for deployment in self.client.list(Deployment, namespace=namespace, labels=labels):
+            router = _as_dict(deployment)
+        pods = [_as_dict(p) async for p in self.client.list(Pod, namespace=namespace, labels=labels)]
+        return Observed(statefulsets=statefulsets, router=router, pods=pods)
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self.client.patch(
+            LLMDeploymentResource.Status,
+            name,
+            {"status": patch},
+            namespace=namespace,
+            patch_type=PatchType.MERGE,
+        )

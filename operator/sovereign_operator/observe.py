@@ -1,0 +1,246 @@
+"""Status as a pure function of what the operator decided and what it observes in the cluster.
+
+Inputs are plain dicts as the apiserver returns them (StatefulSets, the router Deployment, pods),
+so tests drive this without a cluster. Reasons and messages say what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sovereign_operator.api.status import (
+    DEGRADED,
+    PROGRESSING,
+    READY,
+    Condition,
+    LLMDeploymentStatus,
+    PoolsStatus,
+    PoolStatus,
+)
+from sovereign_operator.render import Rendered
+
+# Waiting reasons of a container that need a person, not patience.
+_STUCK_WAITING = {
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "InvalidImageName",
+}
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Children as read from the apiserver, keyed by component."""
+
+    statefulsets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    router: dict[str, Any] | None = None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the operator could not realise the spec (invalid spec, rejected child, missing RBAC)."""
+
+    reason: str
+    message: str
+
+
+def _condition(
+    previous: list[Condition], kind: str, status: str, reason: str, message: str, now: str, generation: int
+) -> Condition:
+    before = next((c for c in previous if c.type == kind), None)
+    # The transition time only moves when the status flips, as Kubernetes conventions ask.
+    since = before.last_transition_time if before is not None and before.status == status else now
+    return Condition(
+        type=kind,
+        status=status,  # type: ignore[arg-type]
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+def _pool_status(desired: int, statefulset: dict[str, Any] | None) -> PoolStatus:
+    observed = (statefulset or {}).get("status") or {}
+    return PoolStatus(
+        desired_replicas=desired,
+        replicas=int(observed.get("replicas") or 0),
+        ready_replicas=int(observed.get("readyReplicas") or 0),
+        updated_replicas=int(observed.get("updatedReplicas") or 0),
+    )
+
+
+def _pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(reason, message) for pods that will not become ready without someone acting."""
+    problems = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+                detail = condition.get("message", "").strip()
+                problems.append(
+                    (
+                        "Unschedulable",
+                        f"pod {name} cannot be scheduled: {detail} Check that nodes offer the GPUs and RDMA"
+                        " devices the pool requests (kubectl describe pod), or lower the pool's resources.",
+                    )
+                )
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in _STUCK_WAITING:
+                detail = waiting.get("message", "").strip()
+                problems.append(
+                    (
+                        waiting["reason"],
+                        f"pod {name} container {container.get('name')} is in {waiting['reason']}"
+                        + (f": {detail}" if detail else "")
+                        + "; see kubectl logs --previous and kubectl describe pod.",
+                    )
+                )
+    return problems
+
+
+def _is_rolling(statefulset: dict[str, Any] | None, desired: int) -> bool:
+    if statefulset is None:
+        return True
+    status = statefulset.get("status") or {}
+    generation = (statefulset.get("metadata") or {}).get("generation", 0)
+    if int(status.get("observedGeneration") or 0) < int(generation):
+        return True
+    if status.get("updateRevision") and status.get("currentRevision") != status.get("updateRevision"):
+        return True
+    return int(status.get("updatedReplicas") or 0) < desired or int(status.get("replicas") or 0) != desired
+
+
+def compute_status(
+    generation: int,
+    rendered: Rendered | None,
+    observed: Observed,
+    previous: LLMDeploymentStatus | None,
+    now: str,
+    problem: Problem | None = None,
+) -> LLMDeploymentStatus:
+    """The status the operator wants the object to have; `now` is an RFC 3339 timestamp."""
+    before = previous or LLMDeploymentStatus()
+    conditions = before.conditions
+
+    def cond(kind: str, status: str, reason: str, message: str) -> Condition:
+        return _condition(conditions, kind, status, reason, message, now, generation)
+
+    if rendered is None:
+        # Nothing could be rendered: keep what was observed before, say why in Degraded.
+        assert problem is not None
+        return before.model_copy(
+            update={
+                "observed_generation": generation,
+                "conditions": [
+                    cond(READY, "False", problem.reason, problem.message),
+                    cond(PROGRESSING, "False", problem.reason, "waiting for a spec the operator can realise"),
+                    cond(DEGRADED, "True", problem.reason, problem.message),
+                ],
+            }
+        )
+
+    pools: dict[str, PoolStatus] = {}
+    for component, desired in rendered.replicas.items():
+        pool = _pool_status(desired, observed.statefulsets.get(component))
+        old = getattr(before.pools, component, None) if before.pools else None
+        # The autoscaler owns its sub-object; carry it over untouched.
+        pools[component] = pool.model_copy(update={"autoscaler": old.autoscaler if old else None})
+
+    router_status = (observed.router or {}).get("status") or {}
+    router_ready = int(router_status.get("readyReplicas") or 0)
+    router_desired = int(((observed.router or {}).get("spec") or {}).get("replicas") or 0)
+
+    summary = ", ".join(f"{c} {p.ready_replicas}/{p.desired_replicas}" for c, p in pools.items())
+    summary += f", router {router_ready}/{router_desired} ready"
+    all_ready = all(p.ready_replicas >= p.desired_replicas for p in pools.values()) and router_ready >= 1
+    rolling = [c for c, p in pools.items() if _is_rolling(observed.statefulsets.get(c), p.desired_replicas)]
+
+    pod_problems = _pod_problems(observed.pods)
+    if problem is not None:
+        degraded = cond(DEGRADED, "True", problem.reason, problem.message)
+    elif pod_problems:
+        reason, message = pod_problems[0]
+        if len(pod_problems) > 1:
+            message += f" ({len(pod_problems) - 1} more pod problem(s))"
+        degraded = cond(DEGRADED, "True", reason, message)
+    else:
+        degraded = cond(DEGRADED, "False", "AsExpected", "no problems observed")
+
+    if all_ready:
+        ready = cond(READY, "True", "AllReplicasReady", f"{summary}; serving at {rendered.endpoint}")
+    else:
+        ready = cond(READY, "False", "ReplicasNotReady", f"{summary}")
+    if rolling:
+        progressing = cond(
+            PROGRESSING,
+            "True",
+            "RollingOut",
+            f"updating {', '.join(rolling)}; pods get up to {rendered.budget.seconds} s to start"
+            " (startupProbe budget)",
+        )
+    elif not all_ready:
+        progressing = cond(PROGRESSING, "True", "Starting", f"waiting for replicas: {summary}")
+    else:
+        progressing = cond(PROGRESSING, "False", "Stable", "all pools match the spec")
+
+    def ratio(pool: PoolStatus | None) -> str | None:
+        return None if pool is None else f"{pool.ready_replicas}/{pool.desired_replicas}"
+
+    decode_column = pools.get("decode") or pools.get("unified")
+    return LLMDeploymentStatus(
+        observed_generation=generation,
+        conditions=[ready, progressing, degraded],
+        mode=rendered.plan.mode,
+        mode_reason=rendered.plan.reason,
+        kv_transport=rendered.plan.kv_transport,
+        endpoint=rendered.endpoint,
+        startup_budget_seconds=rendered.budget.seconds,
+        startup_budget=rendered.budget,
+        pools=PoolsStatus(**pools),
+        prefill_replicas=ratio(pools.get("prefill")),
+        decode_replicas=ratio(decode_column),
+    )
+
+
+def _without_autoscaler(status: dict[str, Any]) -> dict[str, Any]:
+    pools = status.get("pools") or {}
+    trimmed = {
+        name: {k: v for k, v in pool.items() if k != "autoscaler"} for name, pool in pools.items() if pool
+    }
+    return {**status, "pools": trimmed} if pools else status
+
+
+# Fields other writers own; the operator's merge patch never mentions them.
+_FOREIGN_CONDITIONS = ("MetricsAvailable", "KVTransferHealthy")
+
+
+def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -> dict[str, Any] | None:
+    """A JSON merge patch for `status`, or None when nothing the operator owns changed.
+
+    The autoscaler's sub-objects are left out so the two writers cannot undo each other; pools
+    that no longer exist (after a mode change) are removed with null.
+    """
+    current = current or {}
+    want = _without_autoscaler(desired.to_api())
+    # Conditions are a list, replaced whole by a merge patch: keep other writers' entries.
+    foreign = [c for c in current.get("conditions") or [] if c.get("type") in _FOREIGN_CONDITIONS]
+    want["conditions"] = want.get("conditions", []) + foreign
+    have = _without_autoscaler({k: v for k, v in current.items() if k in want or k in _owned_keys()})
+    if {k: have.get(k) for k in want} == want and not (set(have) - set(want)):
+        return None
+    patch: dict[str, Any] = dict(want)
+    for key in set(have) - set(want):
+        patch[key] = None
+    for pool in set(current.get("pools") or {}) - set(want.get("pools") or {}):
+        patch.setdefault("pools", {})[pool] = None
+    return patch
+
+
+def _owned_keys() -> set[str]:
+    return {LLMDeploymentStatus.model_fields[name].alias or name for name in LLMDeploymentStatus.model_fields}

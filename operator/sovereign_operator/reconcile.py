@@ -1,0 +1,217 @@
+"""Reconciling one LLMDeployment: render, apply, prune, and keep `status` true.
+
+Free of kopf so tests drive it with a fake `Kube`; handlers.py adapts it to kopf (events,
+retries). Steady state makes zero writes: children are applied only when their rendering
+changed (or one was deleted), and status only when what it says changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from sovereign_operator import metrics
+from sovereign_operator.api.document import InvalidDeployment, parse_spec
+from sovereign_operator.api.status import LLMDeploymentStatus
+from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
+from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
+
+
+class KubeApi(Protocol):
+    async def apply(self, child: dict[str, Any]) -> None: ...
+    async def prune(
+        self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
+    ) -> list[str]: ...
+    async def advertised_resources(self) -> frozenset[str]: ...
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+    async def observe(self, namespace: str, instance: str) -> Observed: ...
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None: ...
+
+
+class RetryLater(Exception):
+    """A transient failure (apiserver unavailable, conflict, throttled): try again after `delay`."""
+
+    def __init__(self, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+@dataclass
+class Outcome:
+    generation: int
+    rendered: Rendered | None
+    problem: Problem | None
+    digest: str | None
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def replica_overrides(status: Mapping[str, Any] | None) -> dict[str, int]:
+    """Replica counts the autoscaler decided, read from status (never from spec)."""
+    overrides = {}
+    for component, pool in ((status or {}).get("pools") or {}).items():
+        decided = ((pool or {}).get("autoscaler") or {}).get("desiredReplicas")
+        if isinstance(decided, int):
+            overrides[component] = decided
+    return overrides
+
+
+def backoff_seconds(retry: int) -> float:
+    return float(min(300, 5 * 2 ** min(retry, 6)))
+
+
+def _api_error_code(error: Exception) -> int | None:
+    status = getattr(error, "status", None)
+    code = getattr(status, "code", None)
+    return code if isinstance(code, int) else None
+
+
+def _digest(children: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kube: KubeApi,
+        clock: Callable[[], str] = now_rfc3339,
+        report_problem: Callable[[Mapping[str, Any], Problem], None] | None = None,
+    ) -> None:
+        self.kube = kube
+        self.clock = clock
+        # Called for every problem a person must fix; the kopf adapter posts an Event.
+        self.report_problem = report_problem or (lambda body, problem: None)
+        self.outcomes: dict[tuple[str, str], Outcome] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.outcomes.pop((namespace, name), None)
+        self._locks.pop((namespace, name), None)
+
+    async def reconcile(self, body: Mapping[str, Any], retry: int = 0, force: bool = False) -> Outcome:
+        """Render and apply one LLMDeployment, then refresh its status.
+
+        Raises RetryLater for transient failures; an unrealisable spec becomes a Degraded status
+        and a reported problem, not an exception, so nothing hot-loops.
+        """
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        async with self._lock(key):
+            started = time.monotonic()
+            try:
+                outcome = await self._reconcile_locked(body, key, retry, force)
+            except RetryLater:
+                # Still say what is wrong (e.g. Forbidden) before kopf retries.
+                with contextlib.suppress(Exception):
+                    await self._refresh_locked(key)
+                raise
+            finally:
+                metrics.DURATION.observe(time.monotonic() - started)
+            await self._refresh_locked(key)
+            return outcome
+
+    async def _reconcile_locked(
+        self, body: Mapping[str, Any], key: tuple[str, str], retry: int, force: bool
+    ) -> Outcome:
+        meta = body["metadata"]
+        generation = int(meta.get("generation") or 1)
+        ref = DeploymentRef(
+            name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], generation=generation
+        )
+        try:
+            spec = parse_spec(body.get("spec"))
+        except InvalidDeployment as error:
+            problem = Problem("InvalidSpec", str(error))
+            self.report_problem(body, problem)
+            metrics.RECONCILES.labels("invalid").inc()
+            outcome = Outcome(generation, None, problem, None)
+            self.outcomes[key] = outcome
+            return outcome
+
+        try:
+            facts = ClusterFacts(await self.kube.advertised_resources())
+        except Exception as error:
+            raise self._classify(error, "listing nodes", retry) from error
+        rendered = render(ref, spec, facts, replica_overrides(body.get("status")))
+        digest = _digest(rendered.children)
+        previous = self.outcomes.get(key)
+        if not force and previous is not None and previous.digest == digest and previous.problem is None:
+            metrics.RECONCILES.labels("unchanged").inc()
+            return previous
+
+        try:
+            for child in rendered.children:
+                await self.kube.apply(child)
+                metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
+            keep = {(c["kind"], c["metadata"]["name"]) for c in rendered.children}
+            await self.kube.prune(ref.namespace, ref.name, ref.uid, keep)
+        except Exception as error:
+            code = _api_error_code(error)
+            if code in (400, 422):
+                # The apiserver rejected a child: retrying the same spec cannot help.
+                problem = Problem("ApplyRejected", f"the apiserver rejected a child: {error}")
+                self.report_problem(body, problem)
+                metrics.RECONCILES.labels("failed").inc()
+                outcome = Outcome(generation, rendered, problem, None)
+                self.outcomes[key] = outcome
+                return outcome
+            if code == 403:
+                problem = Problem("Forbidden", f"the operator lacks RBAC permission: {error}")
+                self.report_problem(body, problem)
+                self.outcomes[key] = Outcome(generation, rendered, problem, None)
+            raise self._classify(error, "applying children", retry) from error
+
+        metrics.RECONCILES.labels("applied").inc()
+        outcome = Outcome(generation, rendered, None, digest)
+        self.outcomes[key] = outcome
+        return outcome
+
+    def _classify(self, error: Exception, doing: str, retry: int) -> RetryLater:
+        code = _api_error_code(error)
+        metrics.ERRORS.labels(f"http_{code}" if code else type(error).__name__).inc()
+        return RetryLater(f"{doing} failed ({error}); retrying", backoff_seconds(retry))
+
+    async def refresh_status(self, namespace: str, name: str) -> bool:
+        """Recompute status from the children; True when a patch was written."""
+        key = (namespace, name)
+        async with self._lock(key):
+            return await self._refresh_locked(key)
+
+    async def _refresh_locked(self, key: tuple[str, str]) -> bool:
+        outcome = self.outcomes.get(key)
+        if outcome is None:
+            return False  # not reconciled yet; the create/resume handler will do it
+        live = await self.kube.get_deployment(*key)
+        if live is None:
+            self.forget(*key)
+            return False
+        generation = int(live["metadata"].get("generation") or 1)
+        if generation != outcome.generation:
+            return False  # a newer spec is on its way through reconcile
+        current = live.get("status") or {}
+        observed = await self.kube.observe(*key) if outcome.rendered is not None else Observed()
+        try:
+            previous = LLMDeploymentStatus.model_validate(current)
+        except ValueError:
+            previous = None
+        desired = compute_status(
+            generation, outcome.rendered, observed, previous, self.clock(), outcome.problem
+        )
+        patch = status_patch(current, desired)
+        if patch is None:
+            return False
+        await self.kube.patch_status(key[0], key[1], patch)
+        metrics.STATUS_WRITES.inc()
+        return True

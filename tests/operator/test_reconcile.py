@@ -1,0 +1,231 @@
+"""The reconciler against a fake apiserver: applies, zero writes in steady state, retries, prune."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from typing import Any
+
+import pytest
+from lightkube import codecs
+from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
+from sovereign_operator.api import LLMDeploymentSpec
+from sovereign_operator.observe import Observed, Problem
+from sovereign_operator.reconcile import Reconciler, RetryLater, backoff_seconds, replica_overrides
+from sovereign_operator.render import DeploymentRef, render
+
+RDMA = "rdma/rdma_shared_device_a"
+
+
+class FakeApiError(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"HTTP {code}")
+        self.status = type("Status", (), {"code": code})()
+
+
+class FakeKube:
+    """Keeps applied children and the LLMDeployment; StatefulSets report themselves ready."""
+
+    def __init__(self, body: dict[str, Any], advertised: frozenset[str] = frozenset()) -> None:
+        self.body = body
+        self.advertised = advertised
+        self.children: dict[tuple[str, str], dict[str, Any]] = {}
+        self.applies = 0
+        self.status_writes: list[dict[str, Any]] = []
+        self.deleted: list[str] = []
+        self.fail_apply_with: int | None = None
+
+    async def apply(self, child: dict[str, Any]) -> None:
+        if self.fail_apply_with is not None:
+            raise FakeApiError(self.fail_apply_with)
+        self.applies += 1
+        self.children[(child["kind"], child["metadata"]["name"])] = copy.deepcopy(child)
+
+    async def prune(
+        self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
+    ) -> list[str]:
+        gone = [key for key in self.children if key[0] in ("StatefulSet", "Service", "PodDisruptionBudget")]
+        gone = [key for key in gone if key not in keep]
+        for key in gone:
+            del self.children[key]
+            self.deleted.append(f"{key[0]}/{key[1]}")
+        return self.deleted
+
+    async def advertised_resources(self) -> frozenset[str]:
+        return self.advertised
+
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.body)
+
+    async def observe(self, namespace: str, instance: str) -> Observed:
+        statefulsets = {}
+        for (kind, _), child in self.children.items():
+            if kind == "StatefulSet":
+                replicas = child["spec"]["replicas"]
+                component = child["metadata"]["labels"]["app.kubernetes.io/component"]
+                statefulsets[component] = {
+                    "metadata": {"generation": 1},
+                    "status": {
+                        "observedGeneration": 1,
+                        "replicas": replicas,
+                        "readyReplicas": replicas,
+                        "updatedReplicas": replicas,
+                    },
+                }
+        router = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
+        return Observed(statefulsets=statefulsets, router=router)
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.status_writes.append(patch)
+        status = self.body.setdefault("status", {})
+        _merge(status, json.loads(json.dumps(patch)))
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
+def _body(spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    return {
+        "apiVersion": "sovereign.ai/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "llm", "namespace": "ns", "uid": "uid-1", "generation": generation},
+        "spec": copy.deepcopy(spec),
+    }
+
+
+def _clock() -> str:
+    return "2026-01-01T00:00:00Z"
+
+
+def test_first_reconcile_applies_everything_then_steady_state_writes_nothing() -> None:
+    kube = FakeKube(_body(TINY_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        applied, writes = kube.applies, len(kube.status_writes)
+        assert applied == len(
+            render(DeploymentRef("llm", "ns", "uid-1"), LLMDeploymentSpec.model_validate(TINY_SPEC)).children
+        )
+        assert writes == 1
+        assert kube.body["status"]["conditions"][0] == {
+            "type": "Ready",
+            "status": "True",
+            "reason": "AllReplicasReady",
+            "message": kube.body["status"]["conditions"][0]["message"],
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+            "observedGeneration": 1,
+        }
+        # Steady state: a resume, child events and timers change nothing.
+        await reconciler.reconcile(kube.body)
+        for _ in range(3):
+            assert await reconciler.refresh_status("ns", "llm") is False
+        assert (kube.applies, len(kube.status_writes)) == (applied, writes)
+
+    asyncio.run(scenario())
+
+
+def test_spec_change_to_disaggregated_applies_and_prunes_the_unified_pool() -> None:
+    kube = FakeKube(_body(with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto")))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        assert ("StatefulSet", "llm-unified") in kube.children
+        assert kube.body["status"]["mode"] == "unified"
+        kube.advertised = frozenset({RDMA})
+        kube.body["metadata"]["generation"] = 2
+        await reconciler.reconcile(kube.body)
+        assert ("StatefulSet", "llm-unified") not in kube.children
+        assert {("StatefulSet", "llm-prefill"), ("StatefulSet", "llm-decode")} <= set(kube.children)
+        assert "StatefulSet/llm-unified" in kube.deleted
+        status = kube.body["status"]
+        assert status["mode"] == "disaggregated" and "unified" not in status["pools"]
+        assert status["observedGeneration"] == 2
+
+    asyncio.run(scenario())
+
+
+def test_invalid_spec_is_degraded_with_an_event_and_no_retry() -> None:
+    problems: list[Problem] = []
+    kube = FakeKube(_body(with_changes(TINY_SPEC, mode="sideways")))
+    reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
+
+    async def scenario() -> None:
+        outcome = await reconciler.reconcile(kube.body)
+        assert outcome.rendered is None and kube.applies == 0
+        degraded = next(c for c in kube.body["status"]["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+        assert "spec.mode" in degraded["message"]
+        assert [p.reason for p in problems] == ["InvalidSpec"]
+        writes = len(kube.status_writes)
+        await reconciler.reconcile(kube.body)
+        assert len(kube.status_writes) == writes  # the same problem is not rewritten
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("code", "retried"), [(500, True), (429, True), (409, True), (403, True), (422, False)]
+)
+def test_api_errors_retry_with_backoff_or_degrade(code: int, retried: bool) -> None:
+    problems: list[Problem] = []
+    kube = FakeKube(_body(TINY_SPEC))
+    kube.fail_apply_with = code
+    reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
+
+    async def scenario() -> None:
+        if retried:
+            with pytest.raises(RetryLater) as caught:
+                await reconciler.reconcile(kube.body, retry=2)
+            assert caught.value.delay == backoff_seconds(2)
+        else:
+            outcome = await reconciler.reconcile(kube.body)
+            assert outcome.problem is not None and outcome.problem.reason == "ApplyRejected"
+            degraded = next(c for c in kube.body["status"]["conditions"] if c["type"] == "Degraded")
+            assert degraded["reason"] == "ApplyRejected"
+
+    asyncio.run(scenario())
+    if code in (403, 422):
+        assert problems, "a person must hear about RBAC gaps and rejected children"
+
+
+def test_backoff_grows_and_is_capped() -> None:
+    delays = [backoff_seconds(retry) for retry in range(10)]
+    assert delays == sorted(delays) and delays[0] >= 1 and delays[-1] == 300
+
+
+def test_autoscaler_decision_in_status_becomes_replicas() -> None:
+    spec = with_changes(DEEPSEEK_SPEC, decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 4}})
+    kube = FakeKube(_body(spec))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        assert kube.children[("StatefulSet", "llm-decode")]["spec"]["replicas"] == 1
+        kube.body["status"]["pools"]["decode"]["autoscaler"] = {"desiredReplicas": 3}
+        await reconciler.reconcile(kube.body)
+        assert kube.children[("StatefulSet", "llm-decode")]["spec"]["replicas"] == 3
+        assert kube.body["status"]["pools"]["decode"]["autoscaler"] == {"desiredReplicas": 3}
+        assert kube.body["status"]["decodeReplicas"] == "3/3"
+        assert "replicas" not in kube.body["spec"]["decode"]
+
+    asyncio.run(scenario())
+    assert replica_overrides(
+        {"pools": {"prefill": {"autoscaler": {"desiredReplicas": 2}}, "decode": {}}}
+    ) == {"prefill": 2}
+
+
+@pytest.mark.parametrize("spec", [TINY_SPEC, DEEPSEEK_SPEC], ids=["tiny", "deepseek"])
+def test_children_survive_the_lightkube_round_trip(spec: dict[str, Any]) -> None:
+    rendered = render(DeploymentRef("llm", "ns", "u"), LLMDeploymentSpec.model_validate(spec))
+    for child in rendered.children:
+        assert codecs.from_dict(child).to_dict() == child, child["kind"]
