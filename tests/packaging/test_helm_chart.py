@@ -135,6 +135,14 @@ def test_rdma_default_is_the_operators_default():
     assert values()["rdma"]["resourceName"] == DEFAULT_RDMA_RESOURCE
 
 
+def test_runtime_image_default_is_the_operators_default():
+    from sovereign_operator.api.spec import DEFAULT_RUNTIME_IMAGE
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    image = values()["runtimeImage"]
+    assert f"{image['repository']}:{image['tag'] or chart['appVersion']}" == DEFAULT_RUNTIME_IMAGE
+
+
 CONTRACT_METRIC = re.compile(r"^\| `((?:vllm|sovereign):[a-z0-9_]+)` \|", re.MULTILINE)
 # vLLM's older aliases carry the same value as a newer name the dashboard already plots.
 ALIASES = {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"}
@@ -197,7 +205,7 @@ def test_template_validates_with_kubeconform(helm: str, kubeconform: str, swagge
     docs = load_docs(proc.stdout)
     examples = [
         d
-        for p in sorted((REPO / "examples").glob("*.yaml"))
+        for p in [*sorted((REPO / "examples").glob("*.yaml")), REPO / "e2e" / "kind" / "gpu-tiny.yaml"]
         for d in load_docs(p.read_text())
         if d.get("kind") == "LLMDeployment"
     ]
