@@ -17,6 +17,7 @@ from sovereign_operator.autoscale import (
     PoolState,
     decide,
 )
+from sovereign_operator.autoscale.policy import forecast_total
 
 INTERVAL = 15.0
 DECODE = PoolConfig(
@@ -336,3 +337,31 @@ def test_backlog_target_derives_from_ttft_and_measured_prefill_rate() -> None:
     reading = next(r for r in decisions["p"].readings if r.signal == "prompt_tokens_waiting")
     assert reading.target == pytest.approx(10000) and reading.recommendation == 6
     assert decisions["p"].desired == 3  # step-limited from 2
+
+
+def test_forecast_only_for_a_significant_rise() -> None:
+    config = AutoscalerConfig(interval_s=INTERVAL)
+    rng = random.Random(7)
+    flat = [(i * INTERVAL, 5.0 * (1 + rng.gauss(0, 0.05))) for i in range(20)]
+    assert forecast_total(flat, 19 * INTERVAL, 180.0, config) is None
+    ramp = [(i * INTERVAL, 2.0 + 0.01 * i * INTERVAL) for i in range(20)]
+    total = forecast_total(ramp, 19 * INTERVAL, 180.0, config)
+    assert total == pytest.approx(2.0 + 0.01 * (19 * INTERVAL + 180.0))
+    assert forecast_total(ramp[:3], 2 * INTERVAL, 180.0, config) is None  # too few samples
+
+
+def test_rising_load_is_sized_for_the_lead_time() -> None:
+    # KV demand rises 0.12 replica-units per minute; startup takes 3 minutes.
+    def rising(now: float, pods: int) -> PoolMetrics:
+        return kv_metrics(now, pods, load=1.0 + 0.002 * now)
+
+    with_forecast = run(rising, ticks=40, startup_ticks=12)
+    without = run(
+        rising, ticks=40, startup_ticks=12, config=AutoscalerConfig(interval_s=INTERVAL, forecast=False)
+    )
+    first = next(d for d in with_forecast if d.direction == "up")
+    first_without = next(d for d in without if d.direction == "up")
+    # The forecast scales before the measured value leaves the tolerance band; without it, only after.
+    assert first.time + 120 <= first_without.time
+    assert first.readings[0].forecast is not None and first.readings[0].forecast > first.readings[0].value
+    assert "rising" in first.reason

@@ -68,13 +68,45 @@ def metrics_problem(metrics: PoolMetrics | None, now: float, config: AutoscalerC
 
 
 def _ratio_reading(
-    signal: str, value: float, target: float, base: int, current: int, tolerance: float
+    signal: str,
+    value: float,
+    target: float,
+    base: int,
+    current: int,
+    tolerance: float,
+    forecast: float | None = None,
 ) -> SignalReading:
-    ratio = value / target
+    # Size for the larger of now and the forecast at the end of the lead time.
+    sized = max(value, forecast) if forecast is not None else value
+    ratio = sized / target
     # Inside the tolerance band: no change. The epsilon keeps float noise on exact multiples
     # (2.0000000001) from rounding up a whole replica.
     rec = current if abs(ratio - 1.0) <= tolerance else math.ceil(base * ratio - 1e-9)
-    return SignalReading(signal, value, target, rec)
+    return SignalReading(signal, value, target, rec, forecast)
+
+
+def forecast_total(
+    samples: list[tuple[float, float]], now: float, lead_s: float, config: AutoscalerConfig
+) -> float | None:
+    """The pool-wide total of a signal expected `lead_s` from now, from a least-squares line over
+    recent samples; None unless the rise is significant (|t| of the slope >= forecast_min_t), so
+    noise on a steady load never forecasts growth."""
+    n = len(samples)
+    if n < config.forecast_min_samples:
+        return None
+    mean_t = sum(t for t, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    sxx = sum((t - mean_t) ** 2 for t, _ in samples)
+    if sxx <= 0:
+        return None
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in samples) / sxx
+    if slope <= 0:
+        return None
+    residual = sum((y - (mean_y + slope * (t - mean_t))) ** 2 for t, y in samples)
+    stderr = math.sqrt(residual / (n - 2) / sxx) if n > 2 else 0.0
+    if stderr > 0 and slope / stderr < config.forecast_min_t:
+        return None
+    return mean_y + slope * (now + lead_s - mean_t)
 
 
 def _latency_reading(
@@ -105,47 +137,47 @@ def backlog_target(pool: PoolConfig, metrics: PoolMetrics) -> float | None:
     return pool.prompt_tokens_waiting_default
 
 
-def evaluate_signals(
-    inp: PoolInput, pool: PoolConfig, config: AutoscalerConfig, metrics: PoolMetrics
-) -> list[SignalReading]:
-    """Every configured signal of this pool's role with the replica count it alone asks for."""
+def ratio_values(inp: PoolInput, pool: PoolConfig, metrics: PoolMetrics) -> list[tuple[str, float, float]]:
+    """(signal, per-replica value, per-replica target) of the pool's configured ratio signals."""
     # Per-replica values are averaged over the pods that reported: those are the ones serving.
     base = max(1, metrics.pods_reporting)
-    current = inp.replicas.desired
-    readings: list[SignalReading] = []
+    out: list[tuple[str, float, float]] = []
     for signal in _ROLE_SIGNALS[inp.role]:
         if signal == SIGNAL_PROMPT_BACKLOG:
             target = backlog_target(pool, metrics)
             if target:
-                value = metrics.prompt_tokens_waiting / base
-                readings.append(_ratio_reading(signal, value, target, base, current, config.tolerance))
+                out.append((signal, metrics.prompt_tokens_waiting / base, target))
         elif signal == SIGNAL_WAITING and pool.requests_waiting_target:
-            value = metrics.requests_waiting / base
-            readings.append(
-                _ratio_reading(signal, value, pool.requests_waiting_target, base, current, config.tolerance)
-            )
+            out.append((signal, metrics.requests_waiting / base, pool.requests_waiting_target))
         elif signal == SIGNAL_RUNNING and pool.requests_running_target:
-            value = metrics.requests_running / base
-            readings.append(
-                _ratio_reading(signal, value, pool.requests_running_target, base, current, config.tolerance)
-            )
+            out.append((signal, metrics.requests_running / base, pool.requests_running_target))
         elif signal == SIGNAL_KV_CACHE and pool.kv_cache_usage_target:
-            readings.append(
-                _ratio_reading(
-                    signal,
-                    metrics.kv_cache_usage_mean,
-                    pool.kv_cache_usage_target,
-                    base,
-                    current,
-                    config.tolerance,
-                )
-            )
-        elif signal == SIGNAL_TTFT and pool.ttft_target_s and metrics.ttft_seconds is not None:
-            readings.append(
-                _latency_reading(signal, metrics.ttft_seconds, pool.ttft_target_s, current, config)
-            )
-        elif signal == SIGNAL_ITL and pool.itl_target_s and metrics.itl_seconds is not None:
-            readings.append(_latency_reading(signal, metrics.itl_seconds, pool.itl_target_s, current, config))
+            out.append((signal, metrics.kv_cache_usage_mean, pool.kv_cache_usage_target))
+    return out
+
+
+def evaluate_signals(
+    inp: PoolInput,
+    pool: PoolConfig,
+    config: AutoscalerConfig,
+    metrics: PoolMetrics,
+    forecasts: Mapping[str, float] | None = None,
+) -> list[SignalReading]:
+    """Every configured signal of this pool's role with the replica count it alone asks for;
+    `forecasts` holds per-replica values expected at the end of the lead time (ratio signals)."""
+    base = max(1, metrics.pods_reporting)
+    current = inp.replicas.desired
+    forecasts = forecasts or {}
+    readings = [
+        _ratio_reading(signal, value, target, base, current, config.tolerance, forecasts.get(signal))
+        for signal, value, target in ratio_values(inp, pool, metrics)
+    ]
+    if SIGNAL_TTFT in _ROLE_SIGNALS[inp.role] and pool.ttft_target_s and metrics.ttft_seconds is not None:
+        readings.append(
+            _latency_reading(SIGNAL_TTFT, metrics.ttft_seconds, pool.ttft_target_s, current, config)
+        )
+    if SIGNAL_ITL in _ROLE_SIGNALS[inp.role] and pool.itl_target_s and metrics.itl_seconds is not None:
+        readings.append(_latency_reading(SIGNAL_ITL, metrics.itl_seconds, pool.itl_target_s, current, config))
     return readings
 
 
@@ -187,7 +219,10 @@ def _decision(
 
 
 def _describe(reading: SignalReading) -> str:
-    return f"{reading.signal} {reading.value:.3g} vs target {reading.target:.3g}"
+    text = f"{reading.signal} {reading.value:.3g} vs target {reading.target:.3g}"
+    if reading.forecast is not None and reading.forecast > reading.value:
+        text += f" (rising: {reading.forecast:.3g} expected within the startup lead time)"
+    return text
 
 
 def decide_pool(
@@ -277,7 +312,24 @@ def decide_pool(
         ), state
     metrics = inp.metrics
 
-    readings = evaluate_signals(inp, pool, config, metrics)
+    # Lead-time forecast: remember each ratio signal's pool-wide total and, if it rises
+    # significantly, size for where it will be when a pod started now becomes ready.
+    lead = inp.startup_seconds or config.default_startup_s
+    base = max(1, metrics.pods_reporting)
+    forecasts: dict[str, float] = {}
+    demand = {k: list(v) for k, v in state.demand.items()}
+    horizon = min(max(lead, config.forecast_min_window_s), config.forecast_max_window_s)
+    for signal, value, _target in ratio_values(inp, pool, metrics):
+        series = [(t, y) for t, y in demand.get(signal, []) if t >= now - horizon]
+        series.append((now, value * base))
+        demand[signal] = series
+        if config.forecast:
+            total = forecast_total(series, now, lead, config)
+            if total is not None:
+                # Never more than double the measured load: a forecast nudges, it does not invent.
+                forecasts[signal] = min(total, 2 * value * base) / base
+    state.demand = demand
+    readings = evaluate_signals(inp, pool, config, metrics, forecasts)
     if not readings:
         return _decision(
             name,

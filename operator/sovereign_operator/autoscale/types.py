@@ -116,6 +116,14 @@ class AutoscalerConfig:
     pending_timeout_s: float = 300.0
     capacity_backoff_s: float = 600.0
     capacity_backoff_max_s: float = 3600.0
+    # Lead-time forecast of ratio signals: a least-squares line over the last max(lead time,
+    # forecast_min_window_s) seconds (at most forecast_max_window_s), extrapolated by the lead time
+    # and used only when the slope is significant (t >= forecast_min_t).
+    forecast: bool = True
+    forecast_min_samples: int = 5
+    forecast_min_t: float = 4.0
+    forecast_min_window_s: float = 300.0
+    forecast_max_window_s: float = 600.0
     # Optional prefill:decode replica ratio bounds, applied across pools of those roles.
     prefill_decode_ratio_min: float | None = None
     prefill_decode_ratio_max: float | None = None
@@ -131,6 +139,8 @@ class PoolState:
 
     # (time, recommendation) pairs, oldest first, trimmed to the longest stabilisation window.
     recommendations: list[tuple[float, int]] = field(default_factory=list)
+    # Recent pool-wide totals of each ratio signal, for the lead-time forecast.
+    demand: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     # When this controller first saw the pool: scale-down waits for a full window of history.
     first_seen: float | None = None
     last_scale_time: float | None = None
@@ -144,6 +154,7 @@ class PoolState:
     def to_dict(self) -> dict[str, Any]:
         return {
             "recommendations": [[t, r] for t, r in self.recommendations],
+            "demand": {k: [[t, y] for t, y in v] for k, v in self.demand.items()},
             "firstSeen": self.first_seen,
             "lastScaleTime": self.last_scale_time,
             "lastScaleUpTime": self.last_scale_up_time,
@@ -159,6 +170,7 @@ class PoolState:
             return cls()
         return cls(
             recommendations=[(float(t), int(r)) for t, r in data.get("recommendations") or []],
+            demand={k: [(float(t), float(y)) for t, y in v] for k, v in (data.get("demand") or {}).items()},
             first_seen=data.get("firstSeen"),
             last_scale_time=data.get("lastScaleTime"),
             last_scale_up_time=data.get("lastScaleUpTime"),
@@ -177,6 +189,8 @@ class SignalReading:
     value: float
     target: float
     recommendation: int
+    # Per-replica value expected at the end of the startup lead time, when the signal is rising.
+    forecast: float | None = None
 
 
 @dataclass(frozen=True)
