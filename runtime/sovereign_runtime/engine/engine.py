@@ -150,7 +150,7 @@ class LLMEngine:
         from ..model import load_model  # imported late: the model package is optional for engine tests
 
         cfg = config or EngineConfig()
-        model = load_model(path, cfg.device, cfg.dtype)
+        model, _ = load_model(path, cfg.device, cfg.dtype)
         return cls.from_model(model, cfg)
 
     # ---- requests -----------------------------------------------------------------------------------
