@@ -1,0 +1,79 @@
+"""The operator's RBAC rules: no wildcards, and enough to apply, prune and observe every child."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from operator_specs import DEEPSEEK_SPEC, TINY_SPEC
+from sovereign_operator.api import LLMDeploymentSpec
+from sovereign_operator.render import ClusterFacts, DeploymentRef, render
+
+RULES_FILE = (
+    Path(__file__).resolve().parents[2] / "charts" / "sovereign" / "files" / "operator-rbac-rules.yaml"
+)
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "Service": "services",
+    "StatefulSet": "statefulsets",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "Deployment": "deployments",
+}
+
+
+def _rules() -> list[dict[str, Any]]:
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    assert isinstance(rules, list) and rules
+    return rules
+
+
+def _allowed(group: str, resource: str) -> set[str]:
+    verbs: set[str] = set()
+    for rule in _rules():
+        if group in rule["apiGroups"] and resource in rule["resources"]:
+            verbs.update(rule["verbs"])
+    return verbs
+
+
+def test_no_wildcards_and_well_formed() -> None:
+    for rule in _rules():
+        assert set(rule) == {"apiGroups", "resources", "verbs"}
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], rule
+
+
+def test_every_rendered_kind_can_be_applied_watched_and_pruned() -> None:
+    kinds: dict[str, str] = {}
+    for spec in (TINY_SPEC, DEEPSEEK_SPEC):
+        rendered = render(
+            DeploymentRef("a", "b", "c"), LLMDeploymentSpec.model_validate(spec), ClusterFacts()
+        )
+        for child in rendered.children:
+            group = child["apiVersion"].rpartition("/")[0]
+            kinds[child["kind"]] = group
+    for kind, group in kinds.items():
+        assert {"get", "list", "watch", "create", "patch", "delete"} <= _allowed(group, PLURALS[kind]), kind
+
+
+def test_operator_holds_what_it_grants_the_router() -> None:
+    rendered = render(
+        DeploymentRef("a", "b", "c"), LLMDeploymentSpec.model_validate(TINY_SPEC), ClusterFacts()
+    )
+    role = next(c for c in rendered.children if c["kind"] == "Role")
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= _allowed(group, resource)
+
+
+def test_operator_can_run_its_own_loop() -> None:
+    assert {"get", "list", "watch", "patch"} <= _allowed("sovereign.ai", "llmdeployments")
+    assert "patch" in _allowed("sovereign.ai", "llmdeployments/status")
+    assert "update" in _allowed("sovereign.ai", "llmdeployments/finalizers")
+    assert {"list", "watch"} <= _allowed("", "pods") and {"list", "watch"} <= _allowed("", "nodes")
+    assert "create" in _allowed("", "events")
+    assert "update" not in _allowed("sovereign.ai", "llmdeployments"), "the operator never writes spec"
