@@ -160,6 +160,18 @@ def test_grafana_dashboard_plots_the_contract_metrics():
     assert contract, "no metric table found in docs/CONTRACTS.md"
     assert used <= contract, f"dashboard uses metrics the runtime does not export: {used - contract}"
     assert contract - ALIASES <= used, f"contract metrics missing from the dashboard: {contract - used}"
+    # Operator and autoscaler series must be ones the operator's code registers.
+    source = " ".join(p.read_text() for p in (REPO / "operator" / "sovereign_operator").rglob("*.py"))
+    registered = {
+        re.sub(r"_total$", "", n)
+        for n in re.findall(r'"(sovereign_(?:operator|autoscaler)_[a-z0-9_]+)"', source)
+    }
+    operator_used = {
+        re.sub(r"_(total|bucket|sum|count)$", "", m)
+        for m in re.findall(r"sovereign_(?:operator|autoscaler)_[a-z0-9_]+", exprs)
+    }
+    assert operator_used, "the dashboard plots no operator metrics"
+    assert operator_used <= registered, f"not registered by the operator: {operator_used - registered}"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for p in dashboard["panels"]:
@@ -298,6 +310,35 @@ def test_operator_deployment_is_locked_down(default_docs: list[dict]):
         assert container[probe]["httpGet"] == {"path": values()["health"][path], "port": "http-metrics"}
     assert pod["serviceAccountName"] == one(default_docs, "ServiceAccount")["metadata"]["name"]
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_operator_args_parse_with_the_operator_cli(helm: str):
+    from sovereign_operator.cli import build_parser
+
+    docs = render(
+        helm, "operator.watchNamespaces={llm,team-b}", "operator.logLevel=debug", "health.port=9090"
+    )
+    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    # The image's entrypoint is `sovereign-operator run`; the chart's args follow `run`.
+    parsed = build_parser().parse_args(["run", *container["args"]])
+    assert parsed.health_port == 9090 == container["ports"][0]["containerPort"]
+    assert parsed.namespace == ["llm", "team-b"]
+    assert parsed.verbose is True
+    defaults = build_parser().parse_args(
+        ["run", *one(render(helm), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]]
+    )
+    assert defaults.namespace in (None, []) and defaults.verbose is False
+
+
+def test_operator_health_endpoints_match_the_operator():
+    from sovereign_operator import metrics
+
+    paths = {route.resource.canonical for route in metrics.build_app().router.routes()}
+    assert {
+        values()["health"]["livenessPath"],
+        values()["health"]["readinessPath"],
+        values()["metrics"]["path"],
+    } <= paths
 
 
 def test_metrics_service_selects_the_operator(default_docs: list[dict]):
