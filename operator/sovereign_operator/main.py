@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import importlib
+import importlib.util
 
 import kopf
 
@@ -11,11 +12,12 @@ import kopf
 def run_operator(namespaces: list[str] | None, health_port: int, verbose: bool) -> int:
     from sovereign_operator import handlers  # registers the handlers
 
+    # The autoscaler registers its kopf timer on import; it is optional so the core runs alone.
+    if importlib.util.find_spec("sovereign_operator.autoscale.timer") is not None:
+        importlib.import_module("sovereign_operator.autoscale.timer")
+
     handlers.STATE.health_port = health_port
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # kopf installs its own log format; a second handler would print every line twice.
     kopf.configure(verbose=verbose)
     try:
         kopf.run(

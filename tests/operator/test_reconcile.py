@@ -3,102 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
 from typing import Any
 
 import pytest
 from lightkube import codecs
+from operator_fakes import FakeKube, body_for
 from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
 from sovereign_operator.api import LLMDeploymentSpec
-from sovereign_operator.observe import Observed, Problem
+from sovereign_operator.observe import Problem
 from sovereign_operator.reconcile import Reconciler, RetryLater, backoff_seconds, replica_overrides
 from sovereign_operator.render import DeploymentRef, render
 
 RDMA = "rdma/rdma_shared_device_a"
-
-
-class FakeApiError(Exception):
-    def __init__(self, code: int) -> None:
-        super().__init__(f"HTTP {code}")
-        self.status = type("Status", (), {"code": code})()
-
-
-class FakeKube:
-    """Keeps applied children and the LLMDeployment; StatefulSets report themselves ready."""
-
-    def __init__(self, body: dict[str, Any], advertised: frozenset[str] = frozenset()) -> None:
-        self.body = body
-        self.advertised = advertised
-        self.children: dict[tuple[str, str], dict[str, Any]] = {}
-        self.applies = 0
-        self.status_writes: list[dict[str, Any]] = []
-        self.deleted: list[str] = []
-        self.fail_apply_with: int | None = None
-
-    async def apply(self, child: dict[str, Any]) -> None:
-        if self.fail_apply_with is not None:
-            raise FakeApiError(self.fail_apply_with)
-        self.applies += 1
-        self.children[(child["kind"], child["metadata"]["name"])] = copy.deepcopy(child)
-
-    async def prune(
-        self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
-    ) -> list[str]:
-        gone = [key for key in self.children if key[0] in ("StatefulSet", "Service", "PodDisruptionBudget")]
-        gone = [key for key in gone if key not in keep]
-        for key in gone:
-            del self.children[key]
-            self.deleted.append(f"{key[0]}/{key[1]}")
-        return self.deleted
-
-    async def advertised_resources(self) -> frozenset[str]:
-        return self.advertised
-
-    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return copy.deepcopy(self.body)
-
-    async def observe(self, namespace: str, instance: str) -> Observed:
-        statefulsets = {}
-        for (kind, _), child in self.children.items():
-            if kind == "StatefulSet":
-                replicas = child["spec"]["replicas"]
-                component = child["metadata"]["labels"]["app.kubernetes.io/component"]
-                statefulsets[component] = {
-                    "metadata": {"generation": 1},
-                    "status": {
-                        "observedGeneration": 1,
-                        "replicas": replicas,
-                        "readyReplicas": replicas,
-                        "updatedReplicas": replicas,
-                    },
-                }
-        router = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
-        return Observed(statefulsets=statefulsets, router=router)
-
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        self.status_writes.append(patch)
-        status = self.body.setdefault("status", {})
-        _merge(status, json.loads(json.dumps(patch)))
-
-
-def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge(target[key], value)
-        else:
-            target[key] = value
-
-
-def _body(spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
-    return {
-        "apiVersion": "sovereign.ai/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": "llm", "namespace": "ns", "uid": "uid-1", "generation": generation},
-        "spec": copy.deepcopy(spec),
-    }
 
 
 def _clock() -> str:
@@ -106,7 +22,7 @@ def _clock() -> str:
 
 
 def test_first_reconcile_applies_everything_then_steady_state_writes_nothing() -> None:
-    kube = FakeKube(_body(TINY_SPEC))
+    kube = FakeKube(body_for(TINY_SPEC))
     reconciler = Reconciler(kube, clock=_clock)
 
     async def scenario() -> None:
@@ -134,7 +50,7 @@ def test_first_reconcile_applies_everything_then_steady_state_writes_nothing() -
 
 
 def test_spec_change_to_disaggregated_applies_and_prunes_the_unified_pool() -> None:
-    kube = FakeKube(_body(with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto")))
+    kube = FakeKube(body_for(with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto")))
     reconciler = Reconciler(kube, clock=_clock)
 
     async def scenario() -> None:
@@ -156,7 +72,7 @@ def test_spec_change_to_disaggregated_applies_and_prunes_the_unified_pool() -> N
 
 def test_invalid_spec_is_degraded_with_an_event_and_no_retry() -> None:
     problems: list[Problem] = []
-    kube = FakeKube(_body(with_changes(TINY_SPEC, mode="sideways")))
+    kube = FakeKube(body_for(with_changes(TINY_SPEC, mode="sideways")))
     reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
 
     async def scenario() -> None:
@@ -178,7 +94,7 @@ def test_invalid_spec_is_degraded_with_an_event_and_no_retry() -> None:
 )
 def test_api_errors_retry_with_backoff_or_degrade(code: int, retried: bool) -> None:
     problems: list[Problem] = []
-    kube = FakeKube(_body(TINY_SPEC))
+    kube = FakeKube(body_for(TINY_SPEC))
     kube.fail_apply_with = code
     reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
 
@@ -205,7 +121,7 @@ def test_backoff_grows_and_is_capped() -> None:
 
 def test_autoscaler_decision_in_status_becomes_replicas() -> None:
     spec = with_changes(DEEPSEEK_SPEC, decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 4}})
-    kube = FakeKube(_body(spec))
+    kube = FakeKube(body_for(spec))
     reconciler = Reconciler(kube, clock=_clock)
 
     async def scenario() -> None:

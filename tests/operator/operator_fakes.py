@@ -1,0 +1,92 @@
+"""A fake apiserver for the reconciler and handler tests (imported by name: tests/ is not a package)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from sovereign_operator.observe import Observed
+
+
+class FakeApiError(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"HTTP {code}")
+        self.status = type("Status", (), {"code": code})()
+
+
+class FakeKube:
+    """Keeps applied children and the LLMDeployment; StatefulSets report themselves ready."""
+
+    def __init__(self, body: dict[str, Any], advertised: frozenset[str] = frozenset()) -> None:
+        self.body = body
+        self.advertised = advertised
+        self.children: dict[tuple[str, str], dict[str, Any]] = {}
+        self.applies = 0
+        self.status_writes: list[dict[str, Any]] = []
+        self.deleted: list[str] = []
+        self.fail_apply_with: int | None = None
+
+    async def apply(self, child: dict[str, Any]) -> None:
+        if self.fail_apply_with is not None:
+            raise FakeApiError(self.fail_apply_with)
+        self.applies += 1
+        self.children[(child["kind"], child["metadata"]["name"])] = copy.deepcopy(child)
+
+    async def prune(
+        self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
+    ) -> list[str]:
+        gone = [key for key in self.children if key[0] in ("StatefulSet", "Service", "PodDisruptionBudget")]
+        gone = [key for key in gone if key not in keep]
+        for key in gone:
+            del self.children[key]
+            self.deleted.append(f"{key[0]}/{key[1]}")
+        return self.deleted
+
+    async def advertised_resources(self) -> frozenset[str]:
+        return self.advertised
+
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.body)
+
+    async def observe(self, namespace: str, instance: str) -> Observed:
+        statefulsets = {}
+        for (kind, _), child in self.children.items():
+            if kind == "StatefulSet":
+                replicas = child["spec"]["replicas"]
+                component = child["metadata"]["labels"]["app.kubernetes.io/component"]
+                statefulsets[component] = {
+                    "metadata": {"generation": 1},
+                    "status": {
+                        "observedGeneration": 1,
+                        "replicas": replicas,
+                        "readyReplicas": replicas,
+                        "updatedReplicas": replicas,
+                    },
+                }
+        router = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
+        return Observed(statefulsets=statefulsets, router=router)
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.status_writes.append(patch)
+        status = self.body.setdefault("status", {})
+        _merge(status, json.loads(json.dumps(patch)))
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
+def body_for(spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    return {
+        "apiVersion": "sovereign.ai/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "llm", "namespace": "ns", "uid": "uid-1", "generation": generation},
+        "spec": copy.deepcopy(spec),
+    }
