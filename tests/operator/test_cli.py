@@ -95,3 +95,13 @@ def test_bad_name_and_kind_are_reported(tmp_path: Path, capsys: pytest.CaptureFi
     path = _write(tmp_path, "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
     assert main(["render", "-f", path]) == 1
     assert "sovereign.ai/v1alpha1 LLMDeployment" in capsys.readouterr().err
+
+
+def test_spec_examples_in_the_api_docs_are_valid() -> None:
+    from sovereign_operator.api.document import parse_spec
+
+    text = (REPO / "docs" / "api.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in text.split("```yaml\n")[1:]]
+    assert len(blocks) >= 2
+    for block in blocks:
+        parse_spec(yaml.safe_load(block)["spec"])
