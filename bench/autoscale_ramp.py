@@ -131,7 +131,7 @@ def simulate(name: str, demand: list[float], decider: Decider, react_from: float
     return trace
 
 
-def sovereign(up_window: float) -> Decider:
+def sovereign(up_window: float, hold_while_starting: bool = True) -> Decider:
     pool = PoolConfig(
         min_replicas=MIN_REPLICAS,
         max_replicas=MAX_REPLICAS,
@@ -141,7 +141,11 @@ def sovereign(up_window: float) -> Decider:
         prompt_tokens_waiting_default=None,
     )
     config = AutoscalerConfig(
-        interval_s=DT, scale_up_stabilization_s=up_window, scale_down_stabilization_s=300
+        interval_s=DT,
+        scale_up_stabilization_s=up_window,
+        scale_down_stabilization_s=300,
+        # 0 lead times: never wait on starting replicas (the ablation column only).
+        stuck_startup_factor=3.0 if hold_while_starting else 0.0,
     )
     states: dict[str, PoolState] = {}
 
@@ -191,6 +195,7 @@ def main() -> None:
         ("HPA-style rule", hpa),
         ("sovereign, 30 s up window", lambda: sovereign(30.0)),
         ("sovereign, spec default 180 s up window", lambda: sovereign(180.0)),
+        ("ablation: 30 s up, no hold while starting", lambda: sovereign(30.0, hold_while_starting=False)),
     ]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in contenders}
     first: dict[str, Trace] = {}
@@ -240,7 +245,7 @@ def main() -> None:
             label="replicas needed (demand / target)",
         )
         styles = {names[0]: ("tab:red", "-"), names[1]: ("tab:blue", "-"), names[2]: ("tab:green", "--")}
-        for name in names:
+        for name in names[:3]:
             color, ls = styles[name]
             ax.step(
                 minutes,
