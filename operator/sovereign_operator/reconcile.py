@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from sovereign_operator import metrics
-from sovereign_operator.api.document import InvalidDeployment, parse_spec
+from sovereign_operator.api.document import InvalidDeployment, check_name, parse_spec
 from sovereign_operator.api.status import LLMDeploymentStatus
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
@@ -131,6 +131,7 @@ class Reconciler:
             name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], generation=generation
         )
         try:
+            check_name(ref.name)
             spec = parse_spec(body.get("spec"))
         except InvalidDeployment as error:
             problem = Problem("InvalidSpec", str(error))

@@ -183,3 +183,16 @@ def test_round_trip_keeps_camel_case_and_drops_unset() -> None:
     assert dumped["runtime"]["tensorParallelSize"] == 8
     assert "replicas" not in dumped["decode"]
     assert LLMDeploymentSpec.model_validate(dumped) == spec
+
+
+@pytest.mark.parametrize(
+    ("name", "valid"), [("llm", True), ("a" * 40, True), ("a" * 41, False), ("with.dot", False)]
+)
+def test_name_rule_in_cel_and_python(name: str, valid: bool) -> None:
+    from sovereign_operator.api.crd import NAME_RULES
+
+    env = celpy.Environment()
+    for rule in _schema()["x-kubernetes-validations"]:
+        program = env.program(env.compile(rule["rule"]))
+        assert bool(program.evaluate({"self": celpy.json_to_cel({"metadata": {"name": name}})})) == valid
+    assert all(rule.holds(name) for rule in NAME_RULES) == valid

@@ -145,3 +145,12 @@ def test_children_survive_the_lightkube_round_trip(spec: dict[str, Any]) -> None
     rendered = render(DeploymentRef("llm", "ns", "u"), LLMDeploymentSpec.model_validate(spec))
     for child in rendered.children:
         assert codecs.from_dict(child).to_dict() == child, child["kind"]
+
+
+def test_a_name_too_long_for_children_is_degraded_not_applied() -> None:
+    body = body_for(TINY_SPEC)
+    body["metadata"]["name"] = "n" * 41
+    kube = FakeKube(body)
+    outcome = asyncio.run(Reconciler(kube, clock=_clock).reconcile(kube.body))
+    assert outcome.problem is not None and "metadata.name" in outcome.problem.message
+    assert kube.applies == 0

@@ -24,12 +24,14 @@ SHORT_NAMES = ["llmd"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # Children are named `<name>-unified` etc. and Services need DNS-1035 labels; StatefulSet names
-# must leave room for the controller-revision-hash label (63 characters in all).
+# must leave room for the controller-revision-hash label (63 characters in all). The apiserver
+# already enforces a lowercase DNS subdomain; CEL adds the length and "no dots" (a regex on an
+# unbounded string would exceed CEL's estimated cost budget), pydantic also the leading letter.
 MAX_NAME_LENGTH = 40
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RULES = (
     CrossFieldRule(
-        cel=f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
+        cel=f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && !self.metadata.name.contains('.')",
         message=f"metadata.name must be at most {MAX_NAME_LENGTH} characters of a-z, 0-9 and '-',"
         " starting with a letter (it prefixes Service and StatefulSet names)",
         holds=lambda name: len(name) <= MAX_NAME_LENGTH and re.fullmatch(NAME_PATTERN, name) is not None,

@@ -71,6 +71,12 @@ def parse_spec(spec: Any) -> LLMDeploymentSpec:
         raise describe_validation_error(error) from None
 
 
+def check_name(name: str) -> None:
+    for rule in NAME_RULES:
+        if not rule.holds(name):
+            raise InvalidDeployment("metadata.name", rule.message.removeprefix("metadata.name "))
+
+
 def parse_document(document: Any) -> ParsedDeployment:
     if not isinstance(document, dict):
         raise InvalidDeployment("(document)", "must be a YAML mapping")
@@ -83,9 +89,7 @@ def parse_document(document: Any) -> ParsedDeployment:
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidDeployment("metadata.name", "is required")
-    for rule in NAME_RULES:
-        if not rule.holds(name):
-            raise InvalidDeployment("metadata.name", rule.message.removeprefix("metadata.name "))
+    check_name(name)
     if "spec" not in document:
         raise InvalidDeployment("spec", "is required")
     return ParsedDeployment(
