@@ -183,16 +183,6 @@ def test_grafana_dashboard_plots_the_contract_metrics():
 
 
 @pytest.fixture(scope="module")
-def helm(helm: str) -> str:
-    """helm, once the operator's RBAC rules file (written by the operator's owners) is present."""
-    if not RBAC_RULES.is_file():
-        pytest.skip(
-            f"{RBAC_RULES.relative_to(REPO)} is not written yet: the chart cannot render its ClusterRole"
-        )
-    return helm
-
-
-@pytest.fixture(scope="module")
 def default_docs(helm: str) -> list[dict]:
     return render(helm)
 
