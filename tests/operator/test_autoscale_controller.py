@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -230,3 +231,78 @@ def test_pool_facts_from_pods() -> None:
     assert (reps.desired, reps.ready, reps.starting, reps.pending_unschedulable) == (4, 2, 1, 1)
     assert reps.unschedulable_for == 400
     assert measured_startup_seconds(pods) == 250  # median of 200 and 300
+
+
+def test_prometheus_replay_moves_replicas_up_then_down_and_status_explains() -> None:
+    """A Prometheus-compatible endpoint replays a load series; the fake cluster follows every
+    re-render (pods ready at once) so the loop runs closed."""
+    spec = copy.deepcopy(SPEC)
+    spec["autoscaling"] = {
+        "metrics": {"source": "prometheus", "prometheusUrl": "http://placeholder"},
+        "scaleUpStabilizationSeconds": 30,
+        "scaleDownStabilizationSeconds": 300,
+        "intervalSeconds": 15,
+    }
+    kube = FakeKube(body(spec), 2, [])
+    clock = [T0]
+
+    def load(now: float) -> float:  # KV demand in replicas at 100 %: up for 10 min, then idle
+        return 1.8 if now - T0 < 600 else 0.2
+
+    def sync_pods() -> None:
+        kube.pods = [pod(f"tiny-unified-{i}") for i in range(kube.replicas)]
+
+    async def reconcile(b: Mapping[str, Any]) -> None:
+        kube.replicas = replica_overrides(b["status"])["unified"]
+        sync_pods()
+
+    async def api(request: web.Request) -> web.Response:
+        query = request.query["query"]
+        n = max(1, kube.replicas)
+        if query.startswith("count("):
+            value: float | None = float(n)
+        elif query.startswith("min(timestamp("):
+            value = clock[0]
+        elif query.startswith("avg(vllm:kv_cache_usage_perc"):
+            value = min(1.0, load(clock[0]) / n)
+        elif query.startswith("sum(vllm:num_requests"):
+            value = 0.0
+        else:
+            value = None  # latencies, backlog: no series
+        result = [] if value is None else [{"metric": {}, "value": [clock[0], str(value)]}]
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+    desired: list[int] = []
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/api/v1/query", api)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        kube.body["spec"]["autoscaling"]["metrics"]["prometheusUrl"] = f"http://127.0.0.1:{port}"
+        sync_pods()
+        ctl = AutoscaleController(kube, reconcile, clock=lambda: clock[0])
+        try:
+            for _ in range(100):  # 25 minutes
+                decisions = await ctl.tick("llm", "tiny")
+                assert decisions is not None
+                desired.append(decisions["unified"].desired)
+                clock[0] += 15
+        finally:
+            await ctl.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    # 1.8 / 0.5 target -> 4 replicas (the pool's max), then back to 1 after the load stops.
+    assert max(desired) == 4 and desired[-1] == 1
+    peak_at = desired.index(4)
+    first_down = next(i for i, d in enumerate(desired) if i > peak_at and d < 4)
+    assert (first_down - 40) * 15 >= 300 - 15  # the load dropped at tick 40: down waits the window
+    changes = [(a, b) for a, b in itertools.pairwise(desired) if a != b]
+    assert all(b == a - 1 for a, b in changes if b < a)  # one pod at a time on the way down
+    auto = kube.body["status"]["pools"]["unified"]["autoscaler"]
+    assert auto["desiredReplicas"] == 1 and "kv_cache_usage" in auto["reason"]
+    assert [h["to"] for h in auto["history"]][-3:] == [3, 2, 1]
