@@ -360,3 +360,12 @@ def test_extra_args_env_and_scheduling_pass_through() -> None:
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["affinity"] == {"nodeAffinity": {"x": 1}}
     assert PROBE_PERIOD_SECONDS <= 10
+
+
+def test_router_disaggregation_threshold_is_passed_only_when_disaggregated() -> None:
+    spec = with_changes(DEEPSEEK_SPEC, router={"disaggregationThresholdChars": 2048})
+    router = _one(_render(spec), "Deployment", "llm-router")["spec"]["template"]["spec"]["containers"][0]
+    assert _arg(router, "--disaggregation-threshold") == "2048"
+    unified = with_changes(spec, mode="unified", prefill=None)
+    router = _one(_render(unified), "Deployment", "llm-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "--disaggregation-threshold" not in router["args"]

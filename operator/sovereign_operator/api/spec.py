@@ -187,8 +187,12 @@ class RouterSpec(ApiModel):
 
     replicas: int = Field(1, ge=1, le=64)
     policy: Literal["cache-aware", "least-load", "round-robin"] = "cache-aware"
-    disaggregation_threshold_tokens: int | None = Field(
-        None, ge=0, description="Prompts shorter than this skip the prefill pool (disaggregated mode)."
+    # The router measures uncached prompt characters (it does not tokenize); the name says so.
+    disaggregation_threshold_chars: int | None = Field(
+        None,
+        ge=0,
+        description="Prompts with fewer uncached characters are prefilled on the decode pool"
+        " (disaggregated mode; router default 512).",
     )
     resources: ResourceRequirements | None = None
 

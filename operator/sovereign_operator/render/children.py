@@ -35,8 +35,9 @@ APP_NAME = "sovereign"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
-# Time after the drain wait for the process to exit on SIGTERM.
-EXIT_GRACE_SECONDS = 30
+# Time after the preStop drain for SIGTERM handling: the runtime drains again for up to its own
+# --drain-timeout (30 s by default) before it exits.
+EXIT_GRACE_SECONDS = 45
 ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 
 # The preStop hook: ask the runtime to drain, then wait until nothing runs or queues. It only
@@ -417,8 +418,8 @@ def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) ->
             "--decode-service",
             pool_name(ref.name, "decode"),
         ]
-        if spec.router.disaggregation_threshold_tokens is not None:
-            args += ["--disaggregation-threshold-tokens", str(spec.router.disaggregation_threshold_tokens)]
+        if spec.router.disaggregation_threshold_chars is not None:
+            args += ["--disaggregation-threshold", str(spec.router.disaggregation_threshold_chars)]
     else:
         args += ["--worker-service", pool_name(ref.name, "unified")]
     return args
