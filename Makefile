@@ -18,7 +18,7 @@ venv: $(VENV_STAMP)
 $(VENV_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[runtime,test]'
+	$(BIN)/python -m pip install -q -e '.[runtime,rdma,test]'
 	@rm -f $(VENV)/.stamp-* && touch $@
 
 lint: venv

@@ -1,20 +1,22 @@
 """KV-cache transport between a prefill and a decode instance.
 
 The decode instance *expects* a room (a request id the router minted) before it asks a prefill
-instance for work, with a callback that writes each received layer into the blocks it pre-allocated.
-The prefill instance opens a stream to the decode instance's transfer address and sends one frame per
-layer as soon as that layer's latent KV exists, so the transfer overlaps the rest of the prefill.
+instance for work, with a callback that writes each received layer into the blocks it pre-allocated,
+and hands the prefill instance the room's `ticket` (how to reach it). The prefill instance opens a
+stream from the ticket and sends each layer's latent KV as soon as it exists, so the transfer overlaps
+the rest of the prefill.
 
 Failure handling is the point of this module: the receiver fails a room when no frame (heartbeats
 included) arrives for `idle_timeout_s` or the peer disconnects before `done`; the sender fails when the
-socket breaks. Neither side ever waits forever. `TcpKVReceiver`/`TcpKVSender` are the TCP
-implementation; an RDMA library slots in behind the same two interfaces.
+connection breaks. Neither side ever waits forever. `TcpKVReceiver`/`TcpKVSender` are the TCP
+implementation; `nixl_transport` provides the RDMA one behind the same interfaces.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import queue
 import socket
 import threading
@@ -40,6 +42,16 @@ LayerCallback = Callable[[int, int, torch.Tensor], None]  # (layer, first token 
 
 class KVTransferError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one room receives: up to `num_tokens` rows of `kv_dim` values for each of `num_layers` layers."""
+
+    num_layers: int
+    num_tokens: int
+    kv_dim: int
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -73,12 +85,15 @@ class TransferStats:
 
 
 class KVReceiver(Protocol):
-    address: str
     stats: TransferStats
 
     def expect(
-        self, room: str, on_layer: LayerCallback, idle_timeout_s: float = 10.0
+        self, room: str, on_layer: LayerCallback, layout: KVLayout, idle_timeout_s: float = 10.0
     ) -> asyncio.Future[TransferResult]: ...
+
+    def ticket(self, room: str) -> dict[str, Any]:
+        """How the prefill side reaches the room (JSON-serialisable; sent in the PD handshake)."""
+        ...
 
     def cancel(self, room: str, reason: str = "cancelled") -> None: ...
 
@@ -94,35 +109,107 @@ class KVStream(Protocol):
 class KVSender(Protocol):
     stats: TransferStats
 
-    def open(self, address: str, room: str) -> KVStream: ...
+    def open(self, ticket: dict[str, Any]) -> KVStream: ...
 
 
-# ---- TCP ---------------------------------------------------------------------------------------------
+# ---- receiving rooms, whatever the wire --------------------------------------------------------------
 
 
 @dataclass
 class _Expectation:
     room: str
     on_layer: LayerCallback
+    layout: KVLayout
     idle_timeout_s: float
     future: asyncio.Future[TransferResult]
     started: float = field(default_factory=time.perf_counter)
+    last_seen: float = field(default_factory=time.monotonic)
+    connected: bool = False
     watchdog: asyncio.TimerHandle | None = None
+    layers: int = 0
+    bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # transport-specific state (registrations, peer)
 
 
-class TcpKVReceiver:
+class ReceiverBase:
+    """Room bookkeeping shared by the transports: expectations, the connect watchdog, outcomes."""
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+        self._rooms: dict[str, _Expectation] = {}
+
+    def expect(
+        self, room: str, on_layer: LayerCallback, layout: KVLayout, idle_timeout_s: float = 10.0
+    ) -> asyncio.Future[TransferResult]:
+        loop = asyncio.get_running_loop()
+        if room in self._rooms:
+            raise KVTransferError(f"room {room} is already expected")
+        expectation = _Expectation(room, on_layer, layout, idle_timeout_s, loop.create_future())
+        # The prefill side must show up within the idle timeout too, or the room fails.
+        expectation.watchdog = loop.call_later(idle_timeout_s, self._expire_unconnected, room)
+        self._rooms[room] = expectation
+        self._opened(expectation)
+        return expectation.future
+
+    def cancel(self, room: str, reason: str = "cancelled") -> None:
+        expectation = self._rooms.get(room)
+        if expectation is not None:
+            self._fail(expectation, reason, count=False)
+
+    def _opened(self, expectation: _Expectation) -> None:
+        """Hook: a transport prepares what the room needs (memory registration, ...)."""
+
+    def _closed(self, expectation: _Expectation) -> None:
+        """Hook: a transport releases what `_opened` took."""
+
+    def _expire_unconnected(self, room: str) -> None:
+        expectation = self._rooms.get(room)
+        if expectation is not None and not expectation.connected:
+            message = f"room {room}: no prefill connection within {expectation.idle_timeout_s:g} s"
+            self._fail(expectation, message)
+
+    def _fail(self, expectation: _Expectation, message: str, count: bool = True) -> None:
+        if self._rooms.get(expectation.room) is expectation:
+            del self._rooms[expectation.room]
+        if expectation.watchdog is not None:
+            expectation.watchdog.cancel()
+        self._closed(expectation)
+        if count:
+            self.stats.record_failure(message)
+        if not expectation.future.done():
+            expectation.future.set_exception(KVTransferError(message))
+
+    def _succeed(self, expectation: _Expectation, done: dict[str, Any]) -> None:
+        if self._rooms.get(expectation.room) is expectation:
+            del self._rooms[expectation.room]
+        if expectation.watchdog is not None:
+            expectation.watchdog.cancel()
+        self._closed(expectation)
+        seconds = time.perf_counter() - expectation.started
+        self.stats.record_ok(seconds)
+        if not expectation.future.done():
+            result = TransferResult(expectation.room, expectation.layers, expectation.bytes, seconds, done)
+            expectation.future.set_result(result)
+
+
+# ---- TCP ---------------------------------------------------------------------------------------------
+
+
+class TcpKVReceiver(ReceiverBase):
     """The decode side: an asyncio TCP server that accepts one stream per expected room."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        super().__init__()
         self.host, self.port = host, port
         self.advertise_host = advertise_host
-        self.stats = TransferStats()
-        self._rooms: dict[str, _Expectation] = {}
         self._server: asyncio.base_events.Server | None = None
 
     @property
     def address(self) -> str:
         return f"{self.advertise_host or self.host}:{self.port}"
+
+    def ticket(self, room: str) -> dict[str, Any]:
+        return {"transport": "tcp", "address": self.address, "room": room}
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
@@ -135,41 +222,7 @@ class TcpKVReceiver:
             self._server.close()
             await self._server.wait_closed()
 
-    def expect(
-        self, room: str, on_layer: LayerCallback, idle_timeout_s: float = 10.0
-    ) -> asyncio.Future[TransferResult]:
-        loop = asyncio.get_running_loop()
-        if room in self._rooms:
-            raise KVTransferError(f"room {room} is already expected")
-        expectation = _Expectation(room, on_layer, idle_timeout_s, loop.create_future())
-        # The prefill side must connect within the idle timeout too, or the room fails.
-        expectation.watchdog = loop.call_later(idle_timeout_s, self._expire_unconnected, room)
-        self._rooms[room] = expectation
-        return expectation.future
-
-    def cancel(self, room: str, reason: str = "cancelled") -> None:
-        expectation = self._rooms.pop(room, None)
-        if expectation is not None:
-            self._fail(expectation, reason, count=False)
-
-    def _expire_unconnected(self, room: str) -> None:
-        expectation = self._rooms.pop(room, None)
-        if expectation is not None:
-            self._fail(
-                expectation, f"room {room}: no prefill connection within {expectation.idle_timeout_s:g} s"
-            )
-
-    def _fail(self, expectation: _Expectation, message: str, count: bool = True) -> None:
-        if expectation.watchdog is not None:
-            expectation.watchdog.cancel()
-        if count:
-            self.stats.record_failure(message)
-        if not expectation.future.done():
-            expectation.future.set_exception(KVTransferError(message))
-
     async def _read_frame(self, reader: asyncio.StreamReader, timeout: float) -> Frame:
-        import json
-
         prefix = await asyncio.wait_for(reader.readexactly(PREFIX_BYTES), timeout)
         header_len, payload_len = decode_prefix(prefix)
         header = json.loads(await asyncio.wait_for(reader.readexactly(header_len), timeout))
@@ -189,27 +242,18 @@ class TcpKVReceiver:
                 await writer.drain()
                 return
             expectation = self._rooms[room]
-            if expectation.watchdog is not None:
-                expectation.watchdog.cancel()
-            layers = 0
-            nbytes = 0
+            expectation.connected = True
             while True:
                 frame = await self._read_frame(reader, timeout=expectation.idle_timeout_s)
                 if frame.kind == "layer":
                     kv = payload_tensor(frame.header, frame.payload)
                     expectation.on_layer(int(frame.header["layer"]), int(frame.header["first_token"]), kv)
-                    layers += 1
-                    nbytes += len(frame.payload)
+                    expectation.layers += 1
+                    expectation.bytes += len(frame.payload)
                 elif frame.kind == "heartbeat":
                     continue
                 elif frame.kind == "done":
-                    seconds = time.perf_counter() - expectation.started
-                    self._rooms.pop(room, None)
-                    self.stats.record_ok(seconds)
-                    if not expectation.future.done():
-                        expectation.future.set_result(
-                            TransferResult(room, layers, nbytes, seconds, frame.header)
-                        )
+                    self._succeed(expectation, frame.header)
                     writer.write(_join(encode_frame({"kind": "ack", "room": room})))
                     await writer.drain()
                     return
@@ -219,20 +263,17 @@ class TcpKVReceiver:
                     raise ProtocolError(f"unexpected frame {frame.kind!r}")
         except TimeoutError:
             if expectation is not None:
-                self._rooms.pop(expectation.room, None)
-                self._fail(
-                    expectation,
-                    f"room {expectation.room}: no data from prefill for {expectation.idle_timeout_s:g} s",
+                message = (
+                    f"room {expectation.room}: no data from prefill for {expectation.idle_timeout_s:g} s"
                 )
+                self._fail(expectation, message)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if expectation is not None:
-                self._rooms.pop(expectation.room, None)
                 self._fail(
                     expectation, f"room {expectation.room}: prefill disconnected ({exc.__class__.__name__})"
                 )
         except Exception as exc:  # a callback or protocol failure fails the room, never the server
             if expectation is not None:
-                self._rooms.pop(expectation.room, None)
                 self._fail(expectation, f"room {expectation.room}: {exc}")
         finally:
             writer.close()
@@ -346,8 +387,10 @@ class TcpKVSender:
         self.connect_timeout_s = connect_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
 
-    def open(self, address: str, room: str) -> TcpKVStream:
-        return TcpKVStream(address, room, self.stats, self.connect_timeout_s, self.heartbeat_interval_s)
+    def open(self, ticket: dict[str, Any]) -> TcpKVStream:
+        return TcpKVStream(
+            ticket["address"], ticket["room"], self.stats, self.connect_timeout_s, self.heartbeat_interval_s
+        )
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
@@ -362,8 +405,6 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _read_frame_blocking(sock: socket.socket) -> Frame:
-    import json
-
     header_len, payload_len = decode_prefix(_read_exact(sock, PREFIX_BYTES))
     header = json.loads(_read_exact(sock, header_len))
     payload = _read_exact(sock, payload_len) if payload_len else b""
