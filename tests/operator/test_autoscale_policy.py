@@ -365,3 +365,40 @@ def test_rising_load_is_sized_for_the_lead_time() -> None:
     assert first.time + 120 <= first_without.time
     assert first.readings[0].forecast is not None and first.readings[0].forecast > first.readings[0].value
     assert "rising" in first.reason
+
+
+def test_pending_pods_required_by_min_replicas_are_not_capped_again_and_again() -> None:
+    pool = PoolConfig(min_replicas=3, max_replicas=6, kv_cache_usage_target=0.7)
+    config = AutoscalerConfig(interval_s=INTERVAL, pending_timeout_s=60)
+    state: dict[str, PoolState] = {}
+    for i in range(10):
+        now = i * INTERVAL
+        inp = PoolInput(
+            role="decode",
+            replicas=PoolReplicas(
+                desired=3, current=3, ready=2, pending_unschedulable=1, unschedulable_for=120 + now
+            ),
+            metrics=kv_metrics(now, 2, load=1.4),
+        )
+        decisions, state = decide(now, {"p": inp}, {"p": pool}, config, state)
+        assert decisions["p"].desired == 3 and decisions["p"].limited_by != "capacity"
+    assert state["p"].capacity_backoff_s is None
+
+
+def test_capacity_backoff_resets_once_gpus_are_found() -> None:
+    config = AutoscalerConfig(interval_s=INTERVAL, pending_timeout_s=60, capacity_backoff_s=100)
+    stuck = PoolInput(
+        role="decode",
+        replicas=PoolReplicas(desired=4, current=4, ready=2, pending_unschedulable=2, unschedulable_for=90),
+        metrics=kv_metrics(0.0, 2, load=3.0),
+    )
+    _, state = decide(0.0, {"p": stuck}, {"p": DECODE}, config, {})
+    assert state["p"].capacity_cap == 2 and state["p"].capacity_backoff_s == 100
+    # After the backoff the pool grows past the old cap and every pod becomes Ready.
+    healthy = PoolInput(
+        role="decode",
+        replicas=PoolReplicas(desired=3, current=3, ready=3),
+        metrics=kv_metrics(200.0, 3, load=1.8),
+    )
+    _, state = decide(200.0, {"p": healthy}, {"p": DECODE}, config, state)
+    assert state["p"].capacity_cap is None and state["p"].capacity_backoff_s is None

@@ -271,8 +271,13 @@ def decide_pool(
         ), state
 
     # Pods the scheduler cannot place for too long: stop asking for them (reported, retried later).
-    if reps.pending_unschedulable > 0 and reps.unschedulable_for >= config.pending_timeout_s:
-        new_cap = max(lo, prev - reps.pending_unschedulable)
+    # Not when minReplicas itself asks for them: then there is nothing to give back.
+    new_cap = max(lo, prev - reps.pending_unschedulable)
+    if (
+        reps.pending_unschedulable > 0
+        and reps.unschedulable_for >= config.pending_timeout_s
+        and new_cap < prev
+    ):
         backoff = (
             config.capacity_backoff_s
             if state.capacity_backoff_s is None
