@@ -3,8 +3,8 @@
 - create/update(spec)/resume of an LLMDeployment -> render + apply + status;
 - events of the children (StatefulSets, the router Deployment, pods) -> status, and re-apply when
   a child was deleted;
-- node events that change which extended resources (RDMA devices) exist -> re-render, so `auto`
-  follows the cluster;
+- `mode: auto` is resolved from the nodes when the spec changes and then kept (status records
+  it): switching modes replaces every pool, so node churn must not trigger it;
 - no delete handler and so no finalizer: owner references clean up.
 
 The autoscaler adds a `@kopf.timer` that writes `status.pools.<pool>.autoscaler.desiredReplicas`
@@ -39,8 +39,6 @@ class OperatorState:
     kube: Kube | None = None
     reconciler: Reconciler | None = None
     servers: list[Any] = field(default_factory=list)
-    # Extended resources each node advertises, from the node watch; a change re-resolves "auto".
-    node_resources: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 STATE = OperatorState()
@@ -126,30 +124,3 @@ async def deployment_event(event: kopf.RawEvent, body: kopf.Body, logger: loggin
 @kopf.on.event("", "v1", "pods", labels=OWNED)
 async def pod_event(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     await _child_changed(event, body, logger)
-
-
-def advertised_by(node: Mapping[str, Any]) -> frozenset[str]:
-    allocatable = (node.get("status") or {}).get("allocatable") or {}
-    return frozenset(name for name, quantity in allocatable.items() if "/" in name and str(quantity) != "0")
-
-
-@kopf.on.event("", "v1", "nodes")
-async def node_event(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    name = body.get("metadata", {}).get("name")
-    if not name or STATE.reconciler is None:
-        return
-    before = frozenset().union(*STATE.node_resources.values())
-    if event.get("type") == "DELETED":
-        STATE.node_resources.pop(name, None)
-    else:
-        STATE.node_resources[name] = advertised_by(body)
-    if frozenset().union(*STATE.node_resources.values()) == before:
-        return
-    # Re-render every known deployment; those whose children do not change apply nothing.
-    for namespace, instance in list(STATE.reconciler.outcomes):
-        try:
-            live = await STATE.reconciler.kube.get_deployment(namespace, instance)
-            if live is not None:
-                await STATE.reconciler.reconcile(live)
-        except Exception as error:
-            logger.warning("re-rendering %s/%s after a node change failed: %s", namespace, instance, error)

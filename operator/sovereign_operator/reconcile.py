@@ -22,6 +22,7 @@ from sovereign_operator.api.document import InvalidDeployment, check_name, parse
 from sovereign_operator.api.status import LLMDeploymentStatus
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
+from sovereign_operator.render.plan import sticky_plan
 
 
 class KubeApi(Protocol):
@@ -141,11 +142,15 @@ class Reconciler:
             self.outcomes[key] = outcome
             return outcome
 
-        try:
-            facts = ClusterFacts(await self.kube.advertised_resources())
-        except Exception as error:
-            raise self._classify(error, "listing nodes", retry) from error
-        rendered = render(ref, spec, facts, replica_overrides(body.get("status")))
+        status = body.get("status")
+        decided = sticky_plan(status, generation)
+        facts = ClusterFacts()
+        if decided is None:
+            try:
+                facts = ClusterFacts(await self.kube.advertised_resources())
+            except Exception as error:
+                raise self._classify(error, "listing nodes", retry) from error
+        rendered = render(ref, spec, facts, replica_overrides(status), decided)
         digest = _digest(rendered.children)
         previous = self.outcomes.get(key)
         if not force and previous is not None and previous.digest == digest and previous.problem is None:

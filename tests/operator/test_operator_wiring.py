@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import aiohttp
 import kopf
@@ -49,36 +48,3 @@ def test_handlers_cover_the_lifecycle_without_a_delete_handler() -> None:
     assert not [h for h in changing if str(getattr(h.reason, "value", h.reason)) == "delete"]
     watched = {h.fn for h in watching}
     assert {handlers.statefulset_event, handlers.deployment_event, handlers.pod_event} <= watched
-
-
-def test_node_changes_re_resolve_auto_mode() -> None:
-    from operator_fakes import FakeKube, body_for
-    from operator_specs import DEEPSEEK_SPEC, with_changes
-    from sovereign_operator import handlers
-    from sovereign_operator.reconcile import Reconciler
-
-    rdma = "rdma/rdma_shared_device_a"
-    kube = FakeKube(body_for(with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto")))
-    handlers.STATE.reconciler = Reconciler(kube)
-    handlers.STATE.node_resources = {}
-    log = logging.getLogger("test")
-    gpu_node = {"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "64", "nvidia.com/gpu": "8"}}}
-    rdma_node = {"metadata": {"name": "n1"}, "status": {"allocatable": {"nvidia.com/gpu": "8", rdma: "1"}}}
-
-    async def scenario() -> None:
-        await handlers.STATE.reconciler.reconcile(kube.body)
-        await handlers.node_event({"type": "ADDED"}, gpu_node, log)
-        assert kube.body["status"]["mode"] == "unified"
-        kube.advertised = frozenset({rdma})
-        await handlers.node_event({"type": "MODIFIED"}, rdma_node, log)
-        assert kube.body["status"]["mode"] == "disaggregated"
-        applies = kube.applies
-        await handlers.node_event({"type": "MODIFIED"}, rdma_node, log)  # nothing changed
-        assert kube.applies == applies
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        handlers.STATE.reconciler = None
-        handlers.STATE.node_resources = {}
-    assert handlers.advertised_by(rdma_node) == frozenset({"nvidia.com/gpu", rdma})

@@ -154,3 +154,26 @@ def test_a_name_too_long_for_children_is_degraded_not_applied() -> None:
     outcome = asyncio.run(Reconciler(kube, clock=_clock).reconcile(kube.body))
     assert outcome.problem is not None and "metadata.name" in outcome.problem.message
     assert kube.applies == 0
+
+
+def test_auto_mode_is_resolved_when_the_spec_changes_and_then_kept() -> None:
+    kube = FakeKube(body_for(with_changes(DEEPSEEK_SPEC, mode="auto", networking__rdma__enabled="auto")))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        assert kube.body["status"]["mode"] == "unified"
+        # RDMA devices appear (or a device plugin flaps): the running pools stay as they are.
+        kube.advertised = frozenset({RDMA})
+        applies = kube.applies
+        await reconciler.reconcile(kube.body, force=True)
+        assert kube.body["status"]["mode"] == "unified"
+        assert ("StatefulSet", "llm-unified") in kube.children
+        # A new spec generation resolves again.
+        kube.body["metadata"]["generation"] = 2
+        kube.body["spec"]["router"] = {"replicas": 2}
+        await reconciler.reconcile(kube.body)
+        assert kube.body["status"]["mode"] == "disaggregated"
+        assert kube.applies > applies
+
+    asyncio.run(scenario())

@@ -478,9 +478,14 @@ def render(
     spec: LLMDeploymentSpec,
     facts: ClusterFacts | None = None,
     replica_overrides: Mapping[str, int] | None = None,
+    resolved: ModePlan | None = None,
 ) -> Rendered:
-    """Every child of one LLMDeployment, in apply order."""
-    plan = resolve_mode(spec, facts or ClusterFacts())
+    """Every child of one LLMDeployment, in apply order.
+
+    `resolved` is the mode decided earlier for this same spec generation; when given, the cluster
+    facts are not consulted again (see `sticky_plan`).
+    """
+    plan = resolved if resolved is not None else resolve_mode(spec, facts or ClusterFacts())
     budget = startup_budget(spec)
     replicas = plan_replicas(spec, plan.mode, replica_overrides or {})
     config = _config_map(ref, spec, plan)

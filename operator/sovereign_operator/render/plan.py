@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from sovereign_operator.api.spec import LLMDeploymentSpec, PoolSpec
 from sovereign_operator.api.status import StartupBudget
@@ -79,6 +79,23 @@ def resolve_mode(spec: LLMDeploymentSpec, facts: ClusterFacts) -> ModePlan:
             "disaggregated", f"auto: nodes advertise {rdma.resource_name}, so KV transfer uses RDMA", "rdma"
         )
     return ModePlan("unified", f"auto: no node advertises {rdma.resource_name} and {TCP_SLOWER}", None)
+
+
+def sticky_plan(status: Mapping[str, Any] | None, generation: int) -> ModePlan | None:
+    """The mode already resolved for this spec generation, if status records one.
+
+    `auto` (and `rdma.enabled: auto`) are resolved when the spec changes, not whenever nodes
+    change: switching modes replaces every pool, and a device plugin that restarts for a minute
+    must not tear down pods that took half an hour to start.
+    """
+    status = status or {}
+    mode = status.get("mode")
+    if status.get("observedGeneration") != generation or mode not in ("unified", "disaggregated"):
+        return None
+    transport = status.get("kvTransport")
+    if mode == "disaggregated" and transport not in ("rdma", "tcp"):
+        return None
+    return ModePlan(mode, str(status.get("modeReason") or ""), transport if mode == "disaggregated" else None)
 
 
 def pool_spec_for(spec: LLMDeploymentSpec, component: Component) -> PoolSpec:
