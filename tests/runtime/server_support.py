@@ -203,3 +203,21 @@ class LiveServer:
             return events
         finally:
             conn.close()
+
+
+def byte_tokenizer_checkpoint(tiny_checkpoint_factory: Any, destination: Path) -> Path:
+    """A tiny random DeepSeek-V3 checkpoint whose vocabulary covers ``write_byte_tokenizer`` (EOS = "</s>")."""
+    import shutil
+
+    src = tiny_checkpoint_factory(vocab_size=262, bos_token_id=256, eos_token_id=257)
+    shutil.copytree(src, destination)
+    write_byte_tokenizer(destination)
+    return destination
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -469,8 +469,7 @@ def _open_and_drop(port: int, path: str, body: dict[str, Any], read_first: bool)
     if read_first:
         resp = conn.getresponse()
         assert resp.status == 200
-        assert resp.fp is not None
-        resp.fp.readline()  # the first SSE line: the request is running
+        assert resp.read(6) == b"data: "  # the first event arrived: the request is running
     else:
         time.sleep(0.2)
     conn.sock.close() if conn.sock else None

@@ -1,0 +1,126 @@
+"""The real `openai` Python client against a live server (real engine, tiny checkpoint, API key on)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from server_support import LiveServer, byte_tokenizer_checkpoint
+from sovereign_runtime.server import ServerConfig, create_app
+from sovereign_runtime.server.app import STATE
+from sovereign_runtime.server.loading import EngineOptions, make_loader
+
+MODEL = "tiny-openai"
+KEY = "sk-sovereign-test"
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    ckpt = byte_tokenizer_checkpoint(tiny_checkpoint_factory, tmp_path_factory.mktemp("oai") / "ckpt")
+    options = EngineOptions(
+        model_path=ckpt, device="cpu", max_model_len=128, max_num_seqs=4, num_kv_blocks=32
+    )
+    srv = LiveServer(
+        create_app(
+            ServerConfig(served_model_name=MODEL, api_key=KEY, warmup=False), loader=make_loader(options)
+        )
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not srv.app[STATE].ready:
+            assert srv.app[STATE].phase != "failed", srv.app[STATE].error
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_chat(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
+    )
+    assert resp.object == "chat.completion" and resp.model == MODEL
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage is not None and 1 <= resp.usage.completion_tokens <= 6
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model=MODEL, prompt=["abc", "xyz"], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage is not None and resp.usage.completion_tokens == 10
+
+
+def test_streaming_chat_matches_non_streaming(client: openai.OpenAI) -> None:
+    kwargs = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "stream please"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)  # type: ignore[call-overload]
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            text += (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
+            finish = choice.finish_reason or finish
+    message = full.choices[0].message
+    assert text == (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 8
+
+
+def test_streaming_completion(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_errors(client: openai.OpenAI, server: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=3
+        )
+    assert bad.value.status_code == 400 and bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    assert bad.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-9", prompt="x")
+    assert missing.value.code == "model_not_found"
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    wrong.close()
+    # Still serving.
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).choices

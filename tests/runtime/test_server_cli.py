@@ -1,0 +1,138 @@
+"""`sovereign-runtime serve`: flag errors as one line, and a real process that starts, serves, drains on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_support import byte_tokenizer_checkpoint, free_port
+from sovereign_runtime.cli import main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return byte_tokenizer_checkpoint(tiny_checkpoint_factory, tmp_path_factory.mktemp("cli") / "ckpt")
+
+
+def _run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["serve"], "--model"),
+        (["serve", "--model", "x", "--role", "mixed"], "--role"),
+        (["serve", "--model", "x", "--port", "99999"], "--port"),
+        (["serve", "--model", "x", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["serve", "--model", "x", "--kv-cache-gib", "1", "--num-kv-blocks", "4"], "--num-kv-blocks"),
+        (["serve", "--model", "x", "--device", "tpu"], "--device"),
+        (["serve", "--model", "x", "--bogus"], "--bogus"),
+        (["serve", "--model", "/nonexistent/model"], "not a checkpoint directory"),
+        (["serve", "--model", "builtin:no-such-model"], "builtin:no-such-model"),
+        (["frobnicate"], "frobnicate"),
+        ([], "serve,router"),
+    ],
+)
+def test_bad_flags_exit_nonzero_with_one_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _run_main(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_disaggregated_roles_are_refused_clearly(
+    role: str, checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _run_main(["serve", "--model", str(checkpoint), "--role", role], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "not implemented yet" in err and role in err
+
+
+def test_api_key_file_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run_main(
+        ["serve", "--model", str(checkpoint), "--api-key-file", str(tmp_path / "none")], capsys
+    )
+    assert code == 2 and "--api-key-file" in err and len(err.strip().splitlines()) == 1
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    code, err = _run_main(["serve", "--model", str(checkpoint), "--api-key-file", str(empty)], capsys)
+    assert code == 2 and "empty" in err
+
+
+def _get(url: str, headers: dict[str, str] | None = None, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_path: Path) -> None:
+    port = free_port()
+    key = tmp_path / "key"
+    key.write_text("k-123\n")
+    cmd = [
+        sys.executable, "-m", "sovereign_runtime", "serve",
+        "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "128",
+        "--num-kv-blocks", "32", "--max-num-seqs", "4", "--api-key-file", str(key),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env.pop("SOVEREIGN_API_KEY", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        phases: list[str] = []
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "never became ready"
+            try:
+                status, body = _get(base + "/health/startup")
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.05)
+                continue
+            phases.append(body["phase"])
+            if status == 200:
+                break
+            assert status == 503 and 0.0 <= body["progress"] <= 1.0
+            time.sleep(0.02)
+        assert phases[-1] == "ready"
+        assert set(phases) <= {"loading_weights", "compiling", "warming_up", "ready"}
+        assert _get(base + "/health/ready")[0] == 200
+        auth = {"Authorization": "Bearer k-123"}
+        assert _get(base + "/v1/models")[0] == 401
+        status, body = _get(base + "/v1/models", headers=auth)
+        assert status == 200 and body["data"][0]["id"] == "tiny"
+        status, body = _get(base + "/v1/completions", headers=auth, body={"prompt": "hi", "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "drained" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
