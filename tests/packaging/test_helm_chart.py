@@ -415,3 +415,17 @@ def test_chart_packages(helm: str, tmp_path: Path):
     listing = subprocess.run(["tar", "-tzf", str(archive)], capture_output=True, text=True, check=True).stdout
     for member in ("crds/sovereign.ai_llmdeployments.yaml", "files/argocd-health.lua", "values.schema.json"):
         assert f"sovereign/{member}" in listing
+
+
+def test_kubeconform_rejects_a_bad_llmdeployment(kubeconform: str, tmp_path: Path):
+    # The CRD-derived schema is strict too: a misspelt field or a bad enum in a user's manifest fails.
+    write_crd_schemas(load_docs((REPO / "crds" / "sovereign.ai_llmdeployments.yaml").read_text()), tmp_path)
+    doc = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["decode"]["replicaz"] = 1
+    doc["spec"]["mode"] = "sideways"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cmd = [kubeconform, "-strict", "-schema-location", str(tmp_path / SCHEMA_LOCATION), str(path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "replicaz" in result.stdout and "/spec/mode" in result.stdout
