@@ -97,11 +97,17 @@ class Kube:
         pods = [_as_dict(p) async for p in self.client.list(Pod, namespace=namespace, labels=labels)]
         return Observed(statefulsets=statefulsets, router=router, pods=pods)
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    async def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None
+    ) -> None:
+        """Merge-patch `status`; with a resourceVersion the apiserver answers 409 if it moved."""
+        body: dict[str, Any] = {"status": patch}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         await self.client.patch(
             LLMDeploymentResource.Status,
             name,
-            {"status": patch},
+            body,
             namespace=namespace,
             patch_type=PatchType.MERGE,
         )

@@ -33,7 +33,12 @@ class KubeApi(Protocol):
     async def advertised_resources(self) -> frozenset[str]: ...
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     async def observe(self, namespace: str, instance: str) -> Observed: ...
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None: ...
+    async def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None
+    ) -> None: ...
+
+
+STATUS_CONFLICT_RETRIES = 3
 
 
 class RetryLater(Exception):
@@ -196,6 +201,17 @@ class Reconciler:
             return await self._refresh_locked(key)
 
     async def _refresh_locked(self, key: tuple[str, str]) -> bool:
+        # The autoscaler writes the same status; a write carries the resourceVersion it was
+        # computed from, and a conflict means: read again and recompute.
+        for _ in range(STATUS_CONFLICT_RETRIES):
+            try:
+                return await self._refresh_once(key)
+            except Exception as error:
+                if _api_error_code(error) != 409:
+                    raise
+        return False
+
+    async def _refresh_once(self, key: tuple[str, str]) -> bool:
         outcome = self.outcomes.get(key)
         if outcome is None:
             return False  # not reconciled yet; the create/resume handler will do it
@@ -218,6 +234,8 @@ class Reconciler:
         patch = status_patch(current, desired)
         if patch is None:
             return False
-        await self.kube.patch_status(key[0], key[1], patch)
+        await self.kube.patch_status(
+            key[0], key[1], patch, resource_version=live["metadata"].get("resourceVersion")
+        )
         metrics.STATUS_WRITES.inc()
         return True

@@ -26,6 +26,7 @@ class FakeKube:
         self.status_writes: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.fail_apply_with: int | None = None
+        self.conflicts_left = 0
 
     async def apply(self, child: dict[str, Any]) -> None:
         if self.fail_apply_with is not None:
@@ -67,7 +68,12 @@ class FakeKube:
         router = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
         return Observed(statefulsets=statefulsets, router=router)
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    async def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None
+    ) -> None:
+        if self.conflicts_left > 0:
+            self.conflicts_left -= 1
+            raise FakeApiError(409)
         self.status_writes.append(patch)
         status = self.body.setdefault("status", {})
         _merge(status, json.loads(json.dumps(patch)))

@@ -177,3 +177,10 @@ def test_auto_mode_is_resolved_when_the_spec_changes_and_then_kept() -> None:
         assert kube.applies > applies
 
     asyncio.run(scenario())
+
+
+def test_status_conflicts_are_retried_with_a_fresh_read() -> None:
+    kube = FakeKube(body_for(TINY_SPEC))
+    kube.conflicts_left = 2
+    asyncio.run(Reconciler(kube, clock=_clock).reconcile(kube.body))
+    assert len(kube.status_writes) == 1 and kube.body["status"]["mode"] == "unified"
