@@ -306,3 +306,35 @@ def test_prometheus_replay_moves_replicas_up_then_down_and_status_explains() -> 
     auto = kube.body["status"]["pools"]["unified"]["autoscaler"]
     assert auto["desiredReplicas"] == 1 and "kv_cache_usage" in auto["reason"]
     assert [h["to"] for h in auto["history"]][-3:] == [3, 2, 1]
+
+
+def test_kopf_timer_is_registered_and_builds_on_the_operator_state() -> None:
+    import kopf
+    from sovereign_operator import handlers, metrics
+    from sovereign_operator.autoscale import timer
+
+    spawning = kopf.get_default_registry()._spawning.get_all_handlers()
+    assert any(h.id == "autoscale" for h in spawning)
+
+    class FakeReconciler:
+        def __init__(self) -> None:
+            self.bodies: list[Mapping[str, Any]] = []
+
+        async def reconcile(self, b: Mapping[str, Any]) -> None:
+            self.bodies.append(b)
+
+    saved = (handlers.STATE.kube, handlers.STATE.reconciler, timer._controller)
+    try:
+        handlers.STATE.kube, handlers.STATE.reconciler = None, None
+        timer._controller = None
+        assert timer.controller() is None  # operator still starting
+        handlers.STATE.kube = FakeKube(body(), 2, [])  # type: ignore[assignment]
+        handlers.STATE.reconciler = FakeReconciler()  # type: ignore[assignment]
+        ctl = timer.controller()
+        assert ctl is not None and timer.controller() is ctl
+        ctl.exporter.observe("llm", "tiny", [])  # type: ignore[union-attr]
+        # Its gauges live in the registry the operator serves on /metrics.
+        names = {m.name for m in metrics.REGISTRY.collect()}
+        assert "sovereign_autoscaler_desired_replicas" in names
+    finally:
+        handlers.STATE.kube, handlers.STATE.reconciler, timer._controller = saved

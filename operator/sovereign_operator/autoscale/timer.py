@@ -19,6 +19,8 @@ from .exporter import AutoscalerMetrics
 
 TICK_SECONDS = 5.0
 _controller: AutoscaleController | None = None
+# Built once per process: prometheus_client refuses to register the same metric names twice.
+_exporter: AutoscalerMetrics | None = None
 
 
 def _post_event(body: Mapping[str, Any], event: dict[str, str]) -> None:
@@ -27,7 +29,7 @@ def _post_event(body: Mapping[str, Any], event: dict[str, str]) -> None:
 
 def controller() -> AutoscaleController | None:
     """The process-wide controller, built once the operator's kube client and reconciler exist."""
-    global _controller
+    global _controller, _exporter
     if _controller is None:
         from sovereign_operator import handlers, metrics
 
@@ -39,9 +41,9 @@ def controller() -> AutoscaleController | None:
         async def reconcile(body: Mapping[str, Any]) -> None:
             await reconciler.reconcile(body)
 
-        _controller = AutoscaleController(
-            state.kube, reconcile, post_event=_post_event, exporter=AutoscalerMetrics(metrics.REGISTRY)
-        )
+        if _exporter is None:
+            _exporter = AutoscalerMetrics(metrics.REGISTRY)
+        _controller = AutoscaleController(state.kube, reconcile, post_event=_post_event, exporter=_exporter)
     return _controller
 
 
