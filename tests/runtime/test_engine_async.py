@@ -70,13 +70,13 @@ def test_cancelling_a_stream_frees_its_blocks() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _wait_for(lambda: eng.stats().kv_cache_usage == 0.0 and eng.stats().num_running == 0)
+        await _wait_for(lambda: eng.stats().kv_cache_usage == 0.0 and eng.stats().num_requests_running == 0)
         # Breaking out of the loop (closing the iterator) aborts too.
         gen = eng.generate(list(range(1, 30)), params)
         async for _ in gen:
             break
         await gen.aclose()
-        await _wait_for(lambda: eng.stats().kv_cache_usage == 0.0 and eng.stats().num_running == 0)
+        await _wait_for(lambda: eng.stats().kv_cache_usage == 0.0 and eng.stats().num_requests_running == 0)
         assert eng.engine.scheduler.pool.num_free == eng.engine.scheduler.pool.num_blocks
 
     try:
@@ -129,8 +129,8 @@ def test_stats_show_waiting_requests_under_admission_control() -> None:
         tasks = [asyncio.create_task(run(i)) for i in range(5)]
         while not all(t.done() for t in tasks):
             s = eng.stats()
-            assert s.num_running <= 2
-            max_waiting = max(max_waiting, s.num_waiting)
+            assert s.num_requests_running <= 2
+            max_waiting = max(max_waiting, s.num_requests_waiting)
             await asyncio.sleep(0.002)
         assert [t.result() for t in tasks] == [30] * 5
 

@@ -98,11 +98,11 @@ def test_async_engine_prefix_cache_and_cancel(tiny_checkpoint: Path) -> None:
                 break
         await gen.aclose()
         for _ in range(2000):
-            if eng.stats().num_running == 0:
+            if eng.stats().num_requests_running == 0:
                 break
             await asyncio.sleep(0.005)
         st = eng.stats()
-        assert st.num_running == 0 and st.kv_cache_usage == 0.0
+        assert st.num_requests_running == 0 and st.kv_cache_usage == 0.0
 
     try:
         asyncio.run(main())

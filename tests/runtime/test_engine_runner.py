@@ -79,7 +79,7 @@ def test_concurrent_greedy_equals_reference(kw: dict) -> None:
     if kw.get("num_kv_blocks") == 14:
         assert eng.stats().num_preemptions > 0
     st = eng.stats()
-    assert st.num_running == st.num_waiting == 0 and st.kv_cache_usage == 0.0
+    assert st.num_requests_running == st.num_requests_waiting == 0 and st.kv_cache_usage == 0.0
     assert st.generation_tokens_total == 6 * GREEDY.max_tokens
 
 

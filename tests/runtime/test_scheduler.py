@@ -88,7 +88,7 @@ def test_admission_control_queues_instead_of_overcommitting() -> None:
     assert [q.request_id for q in b.seqs] == ["r0", "r1", "r2"] and len(s.waiting) == 1
     s.update(b, [7] * 3)
     s.check()
-    assert s.stats().num_waiting == 1 and s.stats().prompt_tokens_waiting == 8
+    assert s.stats().num_requests_waiting == 1 and s.stats().prompt_tokens_waiting == 8
 
 
 def test_preemption_when_decodes_run_out_and_everything_finishes() -> None:
@@ -174,7 +174,7 @@ def test_random_request_cancel_finish_sequences(seed: int) -> None:
             _step(s, rng=rng)
             live = [r for r in live if r in s.requests]
         stats = s.stats()
-        assert stats.num_running <= s.config.max_num_seqs
+        assert stats.num_requests_running <= s.config.max_num_seqs
         assert 0.0 <= stats.kv_cache_usage <= 1.0
     while s.has_work:
         _step(s, rng=rng)

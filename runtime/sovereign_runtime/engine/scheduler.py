@@ -50,8 +50,8 @@ class ScheduledBatch:
 
 @dataclass
 class SchedulerStats:
-    num_running: int
-    num_waiting: int
+    num_requests_running: int
+    num_requests_waiting: int
     kv_cache_usage: float
     num_free_blocks: int
     num_cached_blocks: int
@@ -275,8 +275,8 @@ class Scheduler:
             s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1
         )
         return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
             kv_cache_usage=in_use / self.pool.num_blocks,
             num_free_blocks=self.pool.num_free + evictable,
             num_cached_blocks=self.cache.num_cached_blocks if self.cache is not None else 0,
