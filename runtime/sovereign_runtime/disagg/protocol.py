@@ -67,13 +67,14 @@ def tensor_payload(tensor: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
     return {"dtype": dtype, "shape": list(tensor.shape)}, memoryview(raw).cast("B")
 
 
-def payload_tensor(header: dict[str, Any], payload: bytes) -> torch.Tensor:
+def payload_tensor(header: dict[str, Any], payload: bytes | bytearray) -> torch.Tensor:
+    """A tensor over the payload's memory (no copy when it is a bytearray)."""
     try:
         dtype = _DTYPES[header["dtype"]]
         shape = [int(n) for n in header["shape"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed tensor header {header!r}") from exc
-    buffer = bytearray(payload)
+    buffer = payload if isinstance(payload, bytearray) else bytearray(payload)
     if not buffer:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

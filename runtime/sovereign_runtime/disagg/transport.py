@@ -196,13 +196,22 @@ class ReceiverBase:
 
 
 class TcpKVReceiver(ReceiverBase):
-    """The decode side: an asyncio TCP server that accepts one stream per expected room."""
+    """The decode side: a TCP listener that accepts one stream per expected room.
+
+    Each connection is read on its own thread with `recv_into` straight into the tensor a layer will
+    occupy (one copy from the kernel), because an asyncio stream reader copies every byte several
+    times and throttled transfers to a fifth of what the socket can do. Outcomes are handed back to
+    the event loop that awaits the room.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
         super().__init__()
         self.host, self.port = host, port
         self.advertise_host = advertise_host
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._closing = False
 
     @property
     def address(self) -> str:
@@ -212,73 +221,84 @@ class TcpKVReceiver(ReceiverBase):
         return {"transport": "tcp", "address": self.address, "room": room}
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._loop = asyncio.get_running_loop()
+        self._listener = socket.create_server((self.host, self.port), reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
 
     async def stop(self) -> None:
+        self._closing = True
         for room in list(self._rooms):
             self.cancel(room, "receiver stopped")
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
 
-    async def _read_frame(self, reader: asyncio.StreamReader, timeout: float) -> Frame:
-        prefix = await asyncio.wait_for(reader.readexactly(PREFIX_BYTES), timeout)
-        header_len, payload_len = decode_prefix(prefix)
-        header = json.loads(await asyncio.wait_for(reader.readexactly(header_len), timeout))
-        payload = await asyncio.wait_for(reader.readexactly(payload_len), timeout) if payload_len else b""
-        self.stats.bytes_received += PREFIX_BYTES + header_len + payload_len
-        return Frame(header, payload)
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closing:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kv-recv", daemon=True).start()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _on_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _serve(self, conn: socket.socket) -> None:
         expectation: _Expectation | None = None
         try:
-            hello = await self._read_frame(reader, timeout=10.0)
+            conn.settimeout(10.0)
+            hello = _read_frame_blocking(conn)
             room = str(hello.header.get("room"))
-            if hello.kind != "hello" or room not in self._rooms:
-                writer.write(
+            expectation = self._rooms.get(room)
+            if hello.kind != "hello" or expectation is None:
+                conn.sendall(
                     _join(encode_frame({"kind": "error", "message": f"room {room} is not expected here"}))
                 )
-                await writer.drain()
                 return
-            expectation = self._rooms[room]
             expectation.connected = True
+            conn.settimeout(expectation.idle_timeout_s)
             while True:
-                frame = await self._read_frame(reader, timeout=expectation.idle_timeout_s)
-                if frame.kind == "layer":
-                    kv = payload_tensor(frame.header, frame.payload)
-                    expectation.on_layer(int(frame.header["layer"]), int(frame.header["first_token"]), kv)
+                header_len, payload_len = decode_prefix(_read_exact(conn, PREFIX_BYTES))
+                header = json.loads(_read_exact(conn, header_len))
+                kind = header.get("kind")
+                self.stats.bytes_received += PREFIX_BYTES + header_len + payload_len
+                if kind == "layer":
+                    kv = payload_tensor(header, _read_exact(conn, payload_len))
+                    expectation.on_layer(int(header["layer"]), int(header["first_token"]), kv)
                     expectation.layers += 1
-                    expectation.bytes += len(frame.payload)
-                elif frame.kind == "heartbeat":
+                    expectation.bytes += payload_len
+                elif kind == "heartbeat":
                     continue
-                elif frame.kind == "done":
-                    self._succeed(expectation, frame.header)
-                    writer.write(_join(encode_frame({"kind": "ack", "room": room})))
-                    await writer.drain()
+                elif kind == "done":
+                    self._on_loop(self._succeed, expectation, header)
+                    conn.sendall(_join(encode_frame({"kind": "ack", "room": room})))
                     return
-                elif frame.kind == "error":
-                    raise KVTransferError(f"prefill reported: {frame.header.get('message')}")
+                elif kind == "error":
+                    raise KVTransferError(f"prefill reported: {header.get('message')}")
                 else:
-                    raise ProtocolError(f"unexpected frame {frame.kind!r}")
+                    raise ProtocolError(f"unexpected frame {kind!r}")
         except TimeoutError:
             if expectation is not None:
                 message = (
                     f"room {expectation.room}: no data from prefill for {expectation.idle_timeout_s:g} s"
                 )
-                self._fail(expectation, message)
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                self._on_loop(self._fail, expectation, message)
+        except (ProtocolError, ConnectionError) as exc:
             if expectation is not None:
-                self._fail(
-                    expectation, f"room {expectation.room}: prefill disconnected ({exc.__class__.__name__})"
-                )
-        except Exception as exc:  # a callback or protocol failure fails the room, never the server
+                message = f"room {expectation.room}: prefill disconnected ({exc.__class__.__name__}: {exc})"
+                self._on_loop(self._fail, expectation, message)
+        except Exception as exc:  # a callback or protocol failure fails the room, never the listener
             if expectation is not None:
-                self._fail(expectation, f"room {expectation.room}: {exc}")
+                self._on_loop(self._fail, expectation, f"room {expectation.room}: {exc}")
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            with contextlib.suppress(OSError):
+                conn.close()
 
 
 def _join(parts: list[bytes | memoryview]) -> bytes:
@@ -393,15 +413,16 @@ class TcpKVSender:
         )
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, remaining = [], n
-    while remaining:
-        chunk = sock.recv(remaining)
-        if not chunk:
+def _read_exact(sock: socket.socket, n: int) -> bytearray:
+    buffer = bytearray(n)
+    view = memoryview(buffer)
+    received = 0
+    while received < n:
+        got = sock.recv_into(view[received:], n - received)
+        if not got:
             raise ProtocolError("connection closed")
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
+        received += got
+    return buffer
 
 
 def _read_frame_blocking(sock: socket.socket) -> Frame:
