@@ -76,8 +76,10 @@ def backoff_seconds(retry: int) -> float:
 
 
 def _api_error_code(error: Exception) -> int | None:
-    status = getattr(error, "status", None)
-    code = getattr(status, "code", None)
+    """The HTTP status of an apiserver error (lightkube ApiError or a bare httpx status error)."""
+    code = getattr(getattr(error, "status", None), "code", None)
+    if not isinstance(code, int):
+        code = getattr(getattr(error, "response", None), "status_code", None)
     return code if isinstance(code, int) else None
 
 

@@ -1,0 +1,187 @@
+"""The lightkube layer on the wire: against a tiny fake apiserver on 127.0.0.1.
+
+Checks what a real apiserver would see: server-side apply with our field manager and force,
+label selectors, status merge patches with a resourceVersion precondition, 404 handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from lightkube import AsyncClient, KubeConfig
+from sovereign_operator.kube import Kube
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _list(kind: str, api_version: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {}, "items": items}
+
+
+STATEFULSET = {
+    "apiVersion": "apps/v1",
+    "kind": "StatefulSet",
+    "metadata": {
+        "name": "llm-unified",
+        "namespace": "ns",
+        "labels": {"app.kubernetes.io/component": "unified"},
+        "ownerReferences": [
+            {
+                "apiVersion": "sovereign.ai/v1alpha1",
+                "kind": "LLMDeployment",
+                "name": "llm",
+                "uid": "u1",
+                "controller": True,
+            }
+        ],
+    },
+    "spec": {"selector": {"matchLabels": {}}, "serviceName": "llm-unified", "template": {}},
+    "status": {"replicas": 1, "readyReplicas": 1},
+}
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    # Exactly "application/json", as the apiserver sends it (lightkube matches it literally).
+    return web.Response(
+        body=json.dumps(obj).encode(), status=status, headers={"Content-Type": "application/json"}
+    )
+
+
+async def _with_fake_apiserver(scenario: Callable[[Kube, list[dict[str, Any]]], Awaitable[None]]) -> None:
+    requests: list[dict[str, Any]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.text()
+        requests.append(
+            {
+                "method": request.method,
+                "path": request.path,
+                "query": dict(request.query),
+                "content_type": request.headers.get("Content-Type", ""),
+                "body": body,
+            }
+        )
+        path = request.path
+        if request.method == "PATCH" and request.headers.get("Content-Type", "").startswith(
+            "application/apply-patch"
+        ):
+            return _json(json.loads(body))
+        if request.method == "PATCH" and path.endswith("/status"):
+            return _json(
+                {"apiVersion": "sovereign.ai/v1alpha1", "kind": "LLMDeployment", "metadata": {"name": "llm"}}
+            )
+        if path == "/api/v1/nodes":
+            nodes = [
+                {"metadata": {"name": "a"}, "status": {"allocatable": {"cpu": "8", "rdma/hca": "0"}}},
+                {
+                    "metadata": {"name": "b"},
+                    "status": {"allocatable": {"nvidia.com/gpu": "8", "rdma/ib": "4"}},
+                },
+            ]
+            return _json(_list("Node", "v1", nodes))
+        if path == "/apis/apps/v1/namespaces/ns/statefulsets":
+            return _json(_list("StatefulSet", "apps/v1", [STATEFULSET]))
+        if request.method == "GET" and path.startswith("/apis/sovereign.ai/"):
+            status = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "reason": "NotFound",
+                "code": 404,
+            }
+            return _json(status, status=404)
+        if request.method == "DELETE":
+            return _json({"kind": "Status", "apiVersion": "v1", "status": "Success"})
+        if request.method == "GET":  # other lists are empty
+            kind = path.rsplit("/", 1)[-1]
+            return _json(_list(kind, "v1", []))
+        return _json({}, status=500)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    config = KubeConfig.from_dict(
+        {
+            "clusters": [{"name": "fake", "cluster": {"server": f"http://{host}:{port}"}}],
+            "users": [{"name": "test", "user": {"token": "t"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "test"}}],
+            "current-context": "fake",
+        }
+    )
+    kube = Kube(AsyncClient(config=config, field_manager="sovereign-operator", trust_env=False))
+    try:
+        await scenario(kube, requests)
+    finally:
+        await kube.close()
+        await runner.cleanup()
+
+
+def test_apply_is_server_side_with_one_field_manager_and_force() -> None:
+    child = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "llm-runtime", "namespace": "ns"},
+        "data": {"SOVEREIGN_MODE": "unified"},
+    }
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        await kube.apply(child)
+        (request,) = requests
+        assert request["method"] == "PATCH"
+        assert request["path"] == "/api/v1/namespaces/ns/configmaps/llm-runtime"
+        assert request["content_type"].startswith("application/apply-patch")
+        assert request["query"]["fieldManager"] == "sovereign-operator"
+        assert request["query"]["force"] == "true"
+        assert json.loads(request["body"]) == child
+
+    asyncio.run(_with_fake_apiserver(scenario))
+
+
+def test_reads_nodes_children_and_a_missing_deployment() -> None:
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        advertised = await kube.advertised_resources()
+        assert "rdma/ib" in advertised and "rdma/hca" not in advertised
+        observed = await kube.observe("ns", "llm")
+        assert observed.statefulsets["unified"]["status"]["readyReplicas"] == 1
+        sts_request = next(r for r in requests if r["path"].endswith("/statefulsets"))
+        selector = set(sts_request["query"]["labelSelector"].split(","))
+        assert selector == {
+            "app.kubernetes.io/instance=llm",
+            "app.kubernetes.io/managed-by=sovereign-operator",
+        }
+        assert await kube.get_deployment("ns", "llm") is None
+
+    asyncio.run(_with_fake_apiserver(scenario))
+
+
+def test_prune_deletes_only_owned_children_not_rendered() -> None:
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        assert await kube.prune("ns", "llm", "someone-else", set()) == []
+        assert await kube.prune("ns", "llm", "u1", {("StatefulSet", "llm-unified")}) == []
+        assert await kube.prune("ns", "llm", "u1", set()) == ["StatefulSet/llm-unified"]
+        deletes = [r for r in requests if r["method"] == "DELETE"]
+        assert [r["path"] for r in deletes] == ["/apis/apps/v1/namespaces/ns/statefulsets/llm-unified"]
+
+    asyncio.run(_with_fake_apiserver(scenario))
+
+
+def test_status_is_a_merge_patch_on_the_subresource_with_a_precondition() -> None:
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        await kube.patch_status("ns", "llm", {"mode": "unified"}, resource_version="42")
+        (request,) = requests
+        assert request["path"] == "/apis/sovereign.ai/v1alpha1/namespaces/ns/llmdeployments/llm/status"
+        assert request["content_type"].startswith("application/merge-patch+json")
+        assert json.loads(request["body"]) == {
+            "status": {"mode": "unified"},
+            "metadata": {"resourceVersion": "42"},
+        }
+
+    asyncio.run(_with_fake_apiserver(scenario))
