@@ -99,7 +99,7 @@ def resolve_model(spec: str) -> Path:
             from . import builtin
         except ImportError as exc:
             raise UsageError(f"--model {spec}: built-in models are not available ({exc})") from None
-        resolver = getattr(builtin, "resolve", None) or getattr(builtin, "model_path", None)
+        resolver = getattr(builtin, "resolve_builtin", None) or getattr(builtin, "resolve", None)
         if resolver is not None:
             try:
                 return Path(resolver(name))

@@ -154,14 +154,14 @@ def test_disconnect_frees_kv_blocks_at_once(server: LiveServer) -> None:
     assert resp.read(6) == b"data: "  # the first event arrived: the request is running
     # The stats snapshot is refreshed after each engine step; wait for the one showing the request.
     deadline = time.monotonic() + 5
-    while not (_stats(server).num_running == 1 and _stats(server).kv_cache_usage > 0):
+    while not (_stats(server).num_requests_running == 1 and _stats(server).kv_cache_usage > 0):
         assert time.monotonic() < deadline, "the streaming request never showed up as running"
         time.sleep(0.01)
     assert conn.sock is not None
     conn.sock.close()
     conn.close()
     deadline = time.monotonic() + 5
-    while _stats(server).num_running or _stats(server).kv_cache_usage:
+    while _stats(server).num_requests_running or _stats(server).kv_cache_usage:
         assert time.monotonic() < deadline, "aborted request still holds KV blocks"
         time.sleep(0.02)
     # The request stopped long before its 200 tokens.
