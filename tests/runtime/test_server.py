@@ -4,6 +4,7 @@ test_server_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_support import FakeEngine, LiveServer, write_byte_tokenizer
 from sovereign_runtime.server import LoadedRuntime, ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
+from sovereign_runtime.server.runner import wait_drained
 from sovereign_runtime.tokenizer import Tokenizer
 
 MODEL = "tiny-test"
@@ -499,3 +501,26 @@ def test_create_app_needs_exactly_one_source(engine: FakeEngine, tokenizer: Toke
     rt = LoadedRuntime(engine=engine, tokenizer=tokenizer, max_model_len=MAX_LEN)
     with pytest.raises(ValueError):
         create_app(ServerConfig(served_model_name=MODEL), runtime=rt, loader=lambda progress: rt)
+
+
+def test_drain_is_bounded_by_the_timeout(engine: FakeEngine, tokenizer: Tokenizer) -> None:
+    engine.delay_s = 0.5  # a request that would take 30 s
+    srv = _serve(engine, tokenizer, drain_timeout_s=0.3)
+    try:
+
+        def doomed() -> None:
+            # The server closes this connection when it gives up waiting.
+            with contextlib.suppress(ConnectionError):
+                srv.request("POST", COMP, {"prompt": "x", "max_tokens": 60})
+
+        t = threading.Thread(target=doomed, daemon=True)
+        t.start()
+        _wait(lambda: len(engine.active) == 1)
+        assert srv.request("POST", "/drain")[0] == 202
+        started = time.monotonic()
+        assert srv.run(wait_drained(srv.app)) is False
+        assert 0.25 <= time.monotonic() - started < 2.0
+    finally:
+        srv.close()
+    # Shutting the server down cancelled the handler, which aborted the request in the engine.
+    _wait(lambda: len(engine.aborted) == 1 and not engine.active)
