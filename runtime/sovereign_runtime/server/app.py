@@ -287,7 +287,7 @@ class _Api:
                 code="model_not_found",
             )
 
-    def _params(self, s: SamplingRequest, max_tokens: int, tokenizer: Tokenizer) -> Any:
+    def _params(self, s: SamplingRequest, max_tokens: int) -> Any:
         from ..engine import SamplingParams
 
         try:
@@ -319,7 +319,7 @@ class _Api:
         max_tokens = resolve_max_tokens(
             req.sampling, len(prompt_ids), rt.max_model_len, None, param="messages"
         )
-        params = self._params(req.sampling, max_tokens, rt.tokenizer)
+        params = self._params(req.sampling, max_tokens)
         started_thinking = prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
         steps = run_request(
@@ -481,7 +481,7 @@ class _Api:
             max_tokens = resolve_max_tokens(
                 req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
             )
-            jobs.append((ids, self._params(req.sampling, max_tokens, rt.tokenizer)))
+            jobs.append((ids, self._params(req.sampling, max_tokens)))
         rid = _new_id("cmpl")
         self.state.request_started()
         try:

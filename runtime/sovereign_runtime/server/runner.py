@@ -36,8 +36,7 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-    bound = sockets[0].getsockname()[1] if sockets else port
+    bound = int(runner.addresses[0][1]) if runner.addresses else port
     start_loading(app)
     return RunningServer(runner, host, bound)
 
