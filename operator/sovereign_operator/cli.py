@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import yaml
 from sovereign_operator import yamlio
 from sovereign_operator.api import custom_resource_definition
 from sovereign_operator.api.document import InvalidDeployment, parse_document
-from sovereign_operator.render import ClusterFacts, DeploymentRef, render
+from sovereign_operator.render import ClusterFacts, DeploymentRef, OperatorDefaults, render
 
 # Offline rendering has no real owner; apply with `--uid` set to the object's metadata.uid.
 OFFLINE_UID = "00000000-0000-0000-0000-000000000000"
@@ -36,6 +37,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"error: {args.file}: no LLMDeployment documents", file=sys.stderr)
         return 2
     rendered = []
+    defaults = OperatorDefaults.from_environment(os.environ)
     for index, document in enumerate(documents):
         try:
             parsed = parse_document(document)
@@ -43,14 +45,17 @@ def _cmd_render(args: argparse.Namespace) -> int:
             where = args.file if len(documents) == 1 else f"{args.file} (document {index + 1})"
             print(f"error: {where}: {error}", file=sys.stderr)
             return 1
-        advertised = {parsed.spec.networking.rdma.resource_name} if args.rdma_nodes == "yes" else set()
+        # --rdma-nodes yes: nodes advertise whatever RDMA resource this deployment would use.
+        rdma = parsed.spec.networking.rdma
+        resource = rdma.resource_name if "resource_name" in rdma.model_fields_set else defaults.rdma_resource
+        advertised = {resource} if args.rdma_nodes == "yes" else set()
         ref = DeploymentRef(
             name=parsed.name,
             namespace=args.namespace or parsed.namespace or "default",
             uid=args.uid or parsed.uid or OFFLINE_UID,
             generation=parsed.generation,
         )
-        result = render(ref, parsed.spec, ClusterFacts(frozenset(advertised)))
+        result = render(ref, parsed.spec, ClusterFacts(frozenset(advertised)), defaults=defaults)
         rendered += result.children
     sys.stdout.write(yamlio.dump_all(rendered))
     return 0

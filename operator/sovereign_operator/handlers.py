@@ -15,6 +15,7 @@ overrides, never into `spec`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from sovereign_operator.metrics import start_server
 from sovereign_operator.observe import Problem
 from sovereign_operator.reconcile import Reconciler, RetryLater
 from sovereign_operator.render.children import MANAGED_BY
+from sovereign_operator.render.plan import OperatorDefaults
 
 OWNED = {MANAGED_BY_LABEL: MANAGED_BY}
 ANNOTATION_PREFIX = "operator.sovereign.ai"
@@ -66,7 +68,9 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
     STATE.kube = Kube.from_environment()
-    STATE.reconciler = Reconciler(STATE.kube, report_problem=_post_event)
+    STATE.reconciler = Reconciler(
+        STATE.kube, report_problem=_post_event, defaults=OperatorDefaults.from_environment(os.environ)
+    )
     if STATE.health_port:
         STATE.servers.append(await start_server(STATE.health_host, STATE.health_port))
         logger.info("metrics and health on :%d (/metrics, /healthz)", STATE.health_port)

@@ -22,7 +22,7 @@ from sovereign_operator.api.document import InvalidDeployment, check_name, parse
 from sovereign_operator.api.status import LLMDeploymentStatus
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
-from sovereign_operator.render.plan import sticky_plan
+from sovereign_operator.render.plan import OperatorDefaults, sticky_plan
 
 
 class KubeApi(Protocol):
@@ -93,8 +93,10 @@ class Reconciler:
         kube: KubeApi,
         clock: Callable[[], str] = now_rfc3339,
         report_problem: Callable[[Mapping[str, Any], Problem], None] | None = None,
+        defaults: OperatorDefaults | None = None,
     ) -> None:
         self.kube = kube
+        self.defaults = defaults or OperatorDefaults()
         self.clock = clock
         # Called for every problem a person must fix; the kopf adapter posts an Event.
         self.report_problem = report_problem or (lambda body, problem: None)
@@ -157,7 +159,7 @@ class Reconciler:
                 facts = ClusterFacts(await self.kube.advertised_resources())
             except Exception as error:
                 raise self._classify(error, "listing nodes", retry) from error
-        rendered = render(ref, spec, facts, replica_overrides(status), decided)
+        rendered = render(ref, spec, facts, replica_overrides(status), decided, self.defaults)
         digest = _digest(rendered.children)
         previous = self.outcomes.get(key)
         if not force and previous is not None and previous.digest == digest and previous.problem is None:

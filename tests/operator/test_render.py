@@ -369,3 +369,24 @@ def test_router_disaggregation_threshold_is_passed_only_when_disaggregated() -> 
     unified = with_changes(spec, mode="unified", prefill=None)
     router = _one(_render(unified), "Deployment", "llm-router")["spec"]["template"]["spec"]["containers"][0]
     assert "--disaggregation-threshold" not in router["args"]
+
+
+def test_operator_defaults_fill_only_what_the_spec_leaves_unset() -> None:
+    from sovereign_operator.render import OperatorDefaults
+
+    defaults = OperatorDefaults.from_environment(
+        {"SOVEREIGN_RUNTIME_IMAGE": "mirror.local/runtime:7", "SOVEREIGN_RDMA_RESOURCE": "rdma/ib"}
+    )
+    spec = with_changes(DEEPSEEK_SPEC, runtime__image=None, networking__rdma={"enabled": "auto"})
+    rendered = render(
+        REF, LLMDeploymentSpec.model_validate(spec), ClusterFacts(frozenset({"rdma/ib"})), defaults=defaults
+    )
+    container = _container(_one(rendered, "StatefulSet", "llm-decode"))
+    assert container["image"] == "mirror.local/runtime:7"
+    assert container["resources"]["limits"]["rdma/ib"] == 1 and rendered.plan.kv_transport == "rdma"
+    explicit = render(REF, LLMDeploymentSpec.model_validate(DEEPSEEK_SPEC), RDMA_NODES, defaults=defaults)
+    assert (
+        _container(_one(explicit, "StatefulSet", "llm-decode"))["image"]
+        == "registry.example/sovereign-runtime:1"
+    )
+    assert OperatorDefaults.from_environment({}) == OperatorDefaults()

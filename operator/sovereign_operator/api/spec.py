@@ -19,6 +19,14 @@ DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 BUILTIN_MODELS = ("sovereign-tiny",)
 
 Mode = Literal["unified", "disaggregated", "auto"]
+
+
+def _operator_default(schema: dict[str, Any]) -> None:
+    """Keep a field's default out of the CRD: the operator fills it from its own configuration
+    (environment set by the Helm chart), so the apiserver must not store one."""
+    schema.pop("default", None)
+
+
 Precision = Literal["fp8", "bf16", "fp32"]
 # A Kubernetes quantity: "500m", "16Gi" or a plain integer.
 Quantity = int | str
@@ -130,7 +138,12 @@ class ModelSpec(ApiModel):
 class RuntimeSpec(ApiModel):
     """The inference runtime every worker pod runs."""
 
-    image: str = Field(DEFAULT_RUNTIME_IMAGE, min_length=1)
+    image: str = Field(
+        DEFAULT_RUNTIME_IMAGE,
+        min_length=1,
+        description="Default: the operator's SOVEREIGN_RUNTIME_IMAGE (the Helm chart sets it).",
+        json_schema_extra=_operator_default,
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     device: Literal["gpu", "cpu"] | None = Field(
@@ -206,7 +219,12 @@ class RDMASpec(ApiModel):
     enabled: Literal["auto", "true", "false"] = Field(
         "auto", description='"auto" uses RDMA when nodes advertise resourceName. Quote true/false in YAML.'
     )
-    resource_name: str = Field(DEFAULT_RDMA_RESOURCE, min_length=1)
+    resource_name: str = Field(
+        DEFAULT_RDMA_RESOURCE,
+        min_length=1,
+        description="Default: the operator's SOVEREIGN_RDMA_RESOURCE, else rdma/rdma_shared_device_a.",
+        json_schema_extra=_operator_default,
+    )
     count: int = Field(1, ge=0, le=64)
     networks: list[str] = Field(
         default_factory=list, max_length=16, description="Multus NetworkAttachmentDefinition names."

@@ -20,11 +20,13 @@ from sovereign_operator.render.plan import (
     ClusterFacts,
     Component,
     ModePlan,
+    OperatorDefaults,
     plan_replicas,
     pool_spec_for,
     resolve_mode,
     startup_budget,
     startup_failure_threshold,
+    with_operator_defaults,
 )
 
 RUNTIME_PORT = 8000
@@ -479,12 +481,14 @@ def render(
     facts: ClusterFacts | None = None,
     replica_overrides: Mapping[str, int] | None = None,
     resolved: ModePlan | None = None,
+    defaults: OperatorDefaults | None = None,
 ) -> Rendered:
     """Every child of one LLMDeployment, in apply order.
 
     `resolved` is the mode decided earlier for this same spec generation; when given, the cluster
     facts are not consulted again (see `sticky_plan`).
     """
+    spec = with_operator_defaults(spec, defaults or OperatorDefaults())
     plan = resolved if resolved is not None else resolve_mode(spec, facts or ClusterFacts())
     budget = startup_budget(spec)
     replicas = plan_replicas(spec, plan.mode, replica_overrides or {})

@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sovereign_operator.api.spec import LLMDeploymentSpec, PoolSpec
+from sovereign_operator.api.spec import (
+    DEFAULT_RDMA_RESOURCE,
+    DEFAULT_RUNTIME_IMAGE,
+    LLMDeploymentSpec,
+    PoolSpec,
+)
 from sovereign_operator.api.status import StartupBudget
 
 ResolvedMode = Literal["unified", "disaggregated"]
@@ -43,6 +48,32 @@ class ClusterFacts:
 
     def advertises(self, resource_name: str) -> bool:
         return resource_name in self.advertised_resources
+
+
+@dataclass(frozen=True)
+class OperatorDefaults:
+    """Values a spec may leave to the operator's installation (the Helm chart sets them)."""
+
+    runtime_image: str = DEFAULT_RUNTIME_IMAGE
+    rdma_resource: str = DEFAULT_RDMA_RESOURCE
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> OperatorDefaults:
+        return cls(
+            runtime_image=environ.get("SOVEREIGN_RUNTIME_IMAGE") or DEFAULT_RUNTIME_IMAGE,
+            rdma_resource=environ.get("SOVEREIGN_RDMA_RESOURCE") or DEFAULT_RDMA_RESOURCE,
+        )
+
+
+def with_operator_defaults(spec: LLMDeploymentSpec, defaults: OperatorDefaults) -> LLMDeploymentSpec:
+    """The spec with the fields it left unset filled from the operator's defaults."""
+    runtime, rdma = spec.runtime, spec.networking.rdma
+    if "image" not in runtime.model_fields_set:
+        runtime = runtime.model_copy(update={"image": defaults.runtime_image})
+    if "resource_name" not in rdma.model_fields_set:
+        rdma = rdma.model_copy(update={"resource_name": defaults.rdma_resource})
+    networking = spec.networking.model_copy(update={"rdma": rdma})
+    return spec.model_copy(update={"runtime": runtime, "networking": networking})
 
 
 @dataclass(frozen=True)
