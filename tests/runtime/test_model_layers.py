@@ -213,8 +213,8 @@ def test_absorbed_prefill_equals_naive_prefill(
     from sovereign_runtime.model import attention_context
 
     outs = []
-    for threshold in (1 << 30, 0):  # naive, then absorbed for every context length
-        monkeypatch.setattr(type(attn), "absorb_prefill_min_context", threshold)
+    for form in ("naive", "absorbed"):
+        monkeypatch.setattr(type(attn), "prefill_form", form)
         runner = PagedRunner(model, num_blocks=4, block_size=16)
         sid = runner.new_sequence()
         _, meta = runner.metadata([(sid, list(range(30)))])
@@ -280,3 +280,14 @@ def test_config_json_dtype_is_used_on_cpu(tiny_checkpoint: Path, tmp_path: Path)
     model, _ = load_model(tiny_checkpoint, dtype=torch.bfloat16)
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays fp32
+
+
+def test_auto_prefill_form_follows_the_cost_model() -> None:
+    from sovereign_runtime.model.layers import MLAAttention
+
+    v3 = ModelConfig.from_dict(V3_CONFIG)
+    attn = MLAAttention.__new__(MLAAttention)  # only the config is needed for the decision
+    attn.config, attn.prefill_form = v3, "auto"
+    # 512·256 / (1024 + 64 − 192 − 128) = 170.7: short chunks over a cached prefix absorb, long prompts expand.
+    assert attn._absorb_prefill(64) and attn._absorb_prefill(170)
+    assert not attn._absorb_prefill(171) and not attn._absorb_prefill(2048)

@@ -154,9 +154,11 @@ class MLAAttention(nn.Module):
     absorption and the MLA decode kernel; longer ones (prefill chunks) expand K/V from the latent.
     """
 
-    # Prefill over contexts shorter than this expands per-head K/V (naive); longer ones absorb. Measured on
-    # CPU (see docs/BENCHMARKS.md): for the small head counts that run on CPU the naive form wins.
-    absorb_prefill_min_context: int = 1 << 30
+    # Prefill form: "auto" picks by cost, "naive" expands per-head K/V from the latent, "absorbed" attends in
+    # latent space. Naive costs ~L·H·(r·(nope+v) + q·(qk+v)) multiply-adds, absorbed ~q·L·H·(2r+dr), so
+    # absorbed wins while the chunk has fewer than r·(nope+v)/(2r+dr−qk−v) queries (170 for V3 dims).
+    # Measured on CPU in docs/BENCHMARKS.md (bench/mla_prefill_forms.py): the model predicts both regimes.
+    prefill_form: str = "auto"
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -264,6 +266,15 @@ class MLAAttention(nn.Module):
         cache = self.kv_cache
         return cache.view(-1, cache.shape[-1])[slots.to(cache.device)]
 
+    def _absorb_prefill(self, query_len: int) -> bool:
+        if self.prefill_form != "auto":
+            return self.prefill_form == "absorbed"
+        c = self.config
+        denominator = 2 * c.kv_lora_rank + c.qk_rope_head_dim - c.qk_head_dim - c.v_head_dim
+        if denominator <= 0:
+            return True
+        return query_len * denominator < c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
+
     def _prefill(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor
     ) -> torch.Tensor:
@@ -274,7 +285,7 @@ class MLAAttention(nn.Module):
         ctx = kv.shape[0]
         key_pos = torch.arange(ctx, device=positions.device)
         allowed = key_pos[None, :] <= positions[:, None]  # [q, L] causal by absolute position
-        if ctx >= self.absorb_prefill_min_context:
+        if self._absorb_prefill(q_nope.shape[0]):
             w_uk, w_uv = self._w_uk_uv()
             q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [q, H, r+dr]
             scores = torch.einsum("thd,ld->htl", q, kv) * self.scale
