@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import celpy
+import jsonschema
 import pytest
 from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
 from pydantic import ValidationError
@@ -198,3 +199,25 @@ def test_name_rule_in_cel_and_python(name: str, valid: bool) -> None:
         program = env.program(env.compile(rule["rule"]))
         assert bool(program.evaluate({"self": celpy.json_to_cel({"metadata": {"name": name}})})) == valid
     assert all(rule.holds(name) for rule in NAME_RULES) == valid
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_pass_the_crd_rules(example: Path) -> None:
+    for document in yamlio.load_all(example.read_text()):
+        schema = _schema()
+        obj = _apply_defaults(schema, copy.deepcopy(document))
+        assert _cel_violations(schema, obj, celpy.Environment()) == []
+        # Types, enums, bounds and required fields as OpenAPI states them.
+        jsonschema.Draft7Validator(schema).validate(obj)
+        LLMDeploymentSpec.model_validate(document["spec"])
+
+
+def test_openapi_schema_rejects_what_the_apiserver_would() -> None:
+    validator = jsonschema.Draft7Validator(_schema()["properties"]["spec"])
+    assert validator.is_valid(copy.deepcopy(DEEPSEEK_SPEC))
+    assert not validator.is_valid(with_changes(DEEPSEEK_SPEC, networking={"rdma": {"enabled": True}}))
+    assert not validator.is_valid(with_changes(DEEPSEEK_SPEC, runtime={"tensorParallelSize": 0}))
+    assert not validator.is_valid(
+        with_changes(DEEPSEEK_SPEC, model__source={"hostPath": {"path": "relative"}})
+    )
+    assert not validator.is_valid(with_changes(DEEPSEEK_SPEC, model=None))
