@@ -72,8 +72,12 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
         STATE.kube, report_problem=_post_event, defaults=OperatorDefaults.from_environment(os.environ)
     )
     if STATE.health_port:
-        STATE.servers.append(await start_server(STATE.health_host, STATE.health_port))
-        logger.info("metrics and health on :%d (/metrics, /healthz)", STATE.health_port)
+        try:
+            STATE.servers.append(await start_server(STATE.health_host, STATE.health_port))
+            logger.info("metrics and health on :%d (/metrics, /healthz)", STATE.health_port)
+        except OSError as error:
+            # Reconciling matters more than the endpoint; in a pod the liveness probe reports it.
+            logger.error("cannot serve /metrics and /healthz on :%d: %s", STATE.health_port, error)
 
 
 @kopf.on.cleanup()
