@@ -75,9 +75,11 @@ def test_cancelling_a_stream_frees_its_blocks() -> None:
         gen = eng.generate(list(range(1, 30)), params)
         async for _ in gen:
             break
+        assert eng.stats().num_requests_running == 1
         await gen.aclose()
+        pool = eng.engine.scheduler.pool
+        await _wait_for(lambda: pool.num_free == pool.num_blocks)
         await _wait_for(lambda: eng.stats().kv_cache_usage == 0.0 and eng.stats().num_requests_running == 0)
-        assert eng.engine.scheduler.pool.num_free == eng.engine.scheduler.pool.num_blocks
 
     try:
         asyncio.run(main())

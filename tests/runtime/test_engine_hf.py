@@ -96,13 +96,16 @@ def test_async_engine_prefix_cache_and_cancel(tiny_checkpoint: Path) -> None:
             n += 1
             if n == 5:
                 break
+        assert eng.stats().kv_cache_usage > 0
         await gen.aclose()
-        for _ in range(2000):
-            if eng.stats().num_requests_running == 0:
+        for _ in range(2000):  # the engine thread frees the blocks before its next step
+            st = eng.stats()
+            if st.num_requests_running == 0 and st.kv_cache_usage == 0.0:
                 break
             await asyncio.sleep(0.005)
-        st = eng.stats()
         assert st.num_requests_running == 0 and st.kv_cache_usage == 0.0
+        pool = eng.engine.scheduler.pool
+        assert pool.num_free + eng.engine.scheduler.cache.num_evictable_blocks == pool.num_blocks
 
     try:
         asyncio.run(main())

@@ -363,9 +363,10 @@ class AsyncEngine:
             except Exception as e:  # a model error fails the requests in flight, not the process
                 self._fail_all(e)
                 continue
+            # Snapshot first: a caller that saw an output must not then read older stats.
+            self._stats = engine.stats()
             for o in outputs:
                 self._deliver(o.request_id, o)
-            self._stats = engine.stats()
         self._fail_all(RuntimeError("engine is shut down"))
 
     def _fail_all(self, error: BaseException) -> None:
