@@ -8,7 +8,13 @@ from pathlib import Path
 import torch
 from checkpoints import load_hf_reference, quantize_fp8_block, reference_dequantize
 from safetensors.torch import load_file
-from sovereign_runtime.model import dequantize_fp8_block, greedy_generate, load_model, prompt_logits
+from sovereign_runtime.model import (
+    Fp8Linear,
+    dequantize_fp8_block,
+    greedy_generate,
+    load_model,
+    prompt_logits,
+)
 
 # intermediate 200 > 128: the dense MLP's weights span two blocks with a padded edge block.
 FP8_OPTIONS = {"fp8": True, "intermediate_size": 200}
@@ -76,3 +82,20 @@ def test_fp8_padded_edge_blocks_match_blockwise_reference(
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(prompt_logits(model, prompt), expected, atol=5e-5, rtol=0)
+
+
+def test_keep_fp8_weights_resident(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    """``keep_fp8`` (the GPU default) keeps e4m3 weights in Fp8Linear modules and computes the same logits."""
+    path = tiny_checkpoint_factory(**FP8_OPTIONS)
+    dense, config = load_model(path, keep_fp8=False)
+    kept, _ = load_model(path, keep_fp8=True)
+    attn = kept.model.layers[1].self_attn
+    assert isinstance(attn.kv_b_proj, Fp8Linear) and attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert isinstance(kept.model.layers[1].mlp.experts[0].down_proj, Fp8Linear)
+    assert isinstance(kept.mtp[0].eh_proj, Fp8Linear)
+    assert kept.lm_head.weight.dtype == torch.float32  # never quantised
+    assert kept.model.layers[0].mlp.gate_proj.weight_scale_inv.shape == (2, 1)
+    prompt = torch.randint(2, config.vocab_size, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    # Both a prefill and absorbed decode steps (which read W_UK/W_UV out of the FP8 kv_b_proj).
+    torch.testing.assert_close(prompt_logits(kept, prompt), prompt_logits(dense, prompt), atol=1e-5, rtol=0)
+    assert greedy_generate(kept, [prompt[:6]], 8) == greedy_generate(dense, [prompt[:6]], 8)

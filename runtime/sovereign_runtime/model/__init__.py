@@ -3,12 +3,14 @@
 from .config import ModelConfig, RopeConfig, kv_bytes_per_token, mha_kv_bytes_per_token
 from .context import AttentionMetadata, attention_context, get_attention_metadata
 from .deepseek_v3 import DeepseekV3ForCausalLM
-from .loader import dequantize_fp8_block, load_model
+from .fp8 import Fp8Linear, dequantize_fp8_block
+from .loader import load_model
 from .standalone import PagedRunner, greedy_generate, prompt_logits
 
 __all__ = [
     "AttentionMetadata",
     "DeepseekV3ForCausalLM",
+    "Fp8Linear",
     "ModelConfig",
     "PagedRunner",
     "RopeConfig",

@@ -13,6 +13,7 @@ from torch import nn
 from ..kernels.mla_decode import mla_decode
 from .config import ModelConfig
 from .context import AttentionMetadata, get_attention_metadata
+from .fp8 import dense_weight
 from .rope import RotaryEmbedding
 
 
@@ -200,10 +201,12 @@ class MLAAttention(nn.Module):
         latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(latent), RotaryEmbedding.apply(k_pe, cos, sin)], dim=-1)
 
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _w_uk_uv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, r] and W_UV [H, v, r]."""
         c = self.config
-        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = dense_weight(self.kv_b_proj, dtype).view(
+            self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+        )
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     # Forward -----------------------------------------------------------------------------------------
@@ -227,7 +230,7 @@ class MLAAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
     ) -> torch.Tensor:
         """Weight-absorbed attention for one query per sequence: no per-head K or V is built."""
-        w_uk, w_uv = self._w_uk_uv()
+        w_uk, w_uv = self._w_uk_uv(q_nope.dtype)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)
         o_lat = mla_decode(q, self.kv_cache, block_tables, context_lens, self.scale, self.config.kv_lora_rank)
@@ -286,7 +289,7 @@ class MLAAttention(nn.Module):
         key_pos = torch.arange(ctx, device=positions.device)
         allowed = key_pos[None, :] <= positions[:, None]  # [q, L] causal by absolute position
         if self._absorb_prefill(q_nope.shape[0]):
-            w_uk, w_uv = self._w_uk_uv()
+            w_uk, w_uv = self._w_uk_uv(q_nope.dtype)
             q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [q, H, r+dr]
             scores = torch.einsum("thd,ld->htl", q, kv) * self.scale
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32).to(kv.dtype)

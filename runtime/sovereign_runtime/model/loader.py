@@ -12,21 +12,10 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
+from .fp8 import dequantize_fp8_block, swap_in_fp8_linears
 
 # Tensors that stay fp32 whatever the model dtype (the router decides in fp32, as in the reference).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-
-
-def dequantize_fp8_block(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: tuple[int, int] = (128, 128),
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """e4m3 weight [out, in] × one scale per block (edge blocks padded) → ``dtype``."""
-    out_f, in_f = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:out_f].repeat_interleave(block[1], 1)[:, :in_f]
-    return (weight.float() * scale).to(dtype)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -71,23 +60,38 @@ def _module_name(name: str, config: ModelConfig) -> str | None:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    keep_fp8: bool | None = None,
 ) -> tuple[DeepseekV3ForCausalLM, ModelConfig]:
     """Build the model from ``path`` (config.json + safetensors) on ``device``.
 
     ``dtype`` defaults to the checkpoint's dtype on CPU and bf16 on GPU. FP8 block-quantised weights are
-    dequantised to ``dtype`` on the target device.
+    dequantised to ``dtype`` at load time, or with ``keep_fp8`` (default: on CUDA) stay e4m3 in ``Fp8Linear``
+    modules that dequantise per call, so V3's weights fit in FP8-sized memory.
     """
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else config.torch_dtype
+    if keep_fp8 is None:
+        keep_fp8 = device.type == "cuda"
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
-    expected = dict(model.state_dict())
 
     with open_checkpoint(path) as raw:
+        if keep_fp8:
+            quantised = {
+                _module_name(n[: -len(".weight_scale_inv")] + ".weight", config)
+                for n in raw
+                if n.endswith(".weight_scale_inv")
+            }
+            modules = {n[: -len(".weight")] for n in quantised if n is not None}
+            with torch.device("meta"):
+                swap_in_fp8_linears(model, modules, config.fp8_block_size)
+        expected = dict(model.state_dict())
         state = _load_state(raw, config, expected, device, dtype, path)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -110,17 +114,21 @@ def _load_state(
     state: dict[str, torch.Tensor] = {}
     block = config.fp8_block_size
     for name, load in raw.items():
-        if name.endswith("weight_scale_inv"):
-            continue
         target = _module_name(name, config)
         if target is None:
+            continue
+        if name.endswith("weight_scale_inv"):
+            if target in expected:  # kept for an Fp8Linear
+                state[target] = load().to(device=device, dtype=torch.float32)
             continue
         if target not in expected:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint {path}")
         tensor = load().to(device)
         scale_name = name[: -len("weight")] + "weight_scale_inv"
         want = torch.float32 if target.endswith(_FP32_SUFFIXES) else dtype
-        if scale_name in raw:
+        if expected[target].dtype == torch.float8_e4m3fn:  # an Fp8Linear keeps the e4m3 weight
+            tensor = tensor.to(torch.float8_e4m3fn)
+        elif scale_name in raw:
             tensor = dequantize_fp8_block(tensor, raw[scale_name]().to(device), block, want)
         else:
             tensor = tensor.to(want)
