@@ -282,12 +282,12 @@ def test_config_json_dtype_is_used_on_cpu(tiny_checkpoint: Path, tmp_path: Path)
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays fp32
 
 
-def test_auto_prefill_form_follows_the_cost_model() -> None:
+def test_auto_prefill_form_absorbs_chunks_over_a_cached_prefix() -> None:
     from sovereign_runtime.model.layers import MLAAttention
 
-    v3 = ModelConfig.from_dict(V3_CONFIG)
-    attn = MLAAttention.__new__(MLAAttention)  # only the config is needed for the decision
-    attn.config, attn.prefill_form = v3, "auto"
-    # 512·256 / (1024 + 64 − 192 − 128) = 170.7: short chunks over a cached prefix absorb, long prompts expand.
-    assert attn._absorb_prefill(64) and attn._absorb_prefill(170)
-    assert not attn._absorb_prefill(171) and not attn._absorb_prefill(2048)
+    attn = MLAAttention.__new__(MLAAttention)  # only the decision rule is exercised
+    attn.prefill_form = "auto"
+    assert not attn._absorb_prefill(64, 64) and not attn._absorb_prefill(2048, 2048)  # fresh prompts expand
+    assert attn._absorb_prefill(64, 1088) and attn._absorb_prefill(256, 512)  # chunks over a prefix absorb
+    attn.prefill_form = "naive"
+    assert not attn._absorb_prefill(64, 1088)

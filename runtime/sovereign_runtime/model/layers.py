@@ -155,10 +155,11 @@ class MLAAttention(nn.Module):
     absorption and the MLA decode kernel; longer ones (prefill chunks) expand K/V from the latent.
     """
 
-    # Prefill form: "auto" picks by cost, "naive" expands per-head K/V from the latent, "absorbed" attends in
-    # latent space. Naive costs ~L·H·(r·(nope+v) + q·(qk+v)) multiply-adds, absorbed ~q·L·H·(2r+dr), so
-    # absorbed wins while the chunk has fewer than r·(nope+v)/(2r+dr−qk−v) queries (170 for V3 dims).
-    # Measured on CPU in docs/BENCHMARKS.md (bench/mla_prefill_forms.py): the model predicts both regimes.
+    # Prefill form: "naive" expands per-head K/V from the latent, "absorbed" attends in latent space, "auto"
+    # picks absorbed when the new tokens sit on a cached prefix at least as long as themselves (chunked
+    # prefill, radix-cache hits): expanding K/V for the whole context then dominates. Fresh prompts expand.
+    # Measured on CPU with V3 head dims (bench/mla_prefill_forms.py, docs/BENCHMARKS.md): absorbed is
+    # 0.17-0.58× the naive time for chunks over a prefix, 1.2-2× for fresh prompts.
     prefill_form: str = "auto"
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
@@ -269,14 +270,10 @@ class MLAAttention(nn.Module):
         cache = self.kv_cache
         return cache.view(-1, cache.shape[-1])[slots.to(cache.device)]
 
-    def _absorb_prefill(self, query_len: int) -> bool:
+    def _absorb_prefill(self, query_len: int, context_len: int) -> bool:
         if self.prefill_form != "auto":
             return self.prefill_form == "absorbed"
-        c = self.config
-        denominator = 2 * c.kv_lora_rank + c.qk_rope_head_dim - c.qk_head_dim - c.v_head_dim
-        if denominator <= 0:
-            return True
-        return query_len * denominator < c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
+        return context_len >= 2 * query_len
 
     def _prefill(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor
@@ -288,7 +285,7 @@ class MLAAttention(nn.Module):
         ctx = kv.shape[0]
         key_pos = torch.arange(ctx, device=positions.device)
         allowed = key_pos[None, :] <= positions[:, None]  # [q, L] causal by absolute position
-        if self._absorb_prefill(q_nope.shape[0]):
+        if self._absorb_prefill(q_nope.shape[0], ctx):
             w_uk, w_uv = self._w_uk_uv(q_nope.dtype)
             q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [q, H, r+dr]
             scores = torch.einsum("thd,ld->htl", q, kv) * self.scale
