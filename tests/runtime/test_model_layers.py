@@ -291,3 +291,13 @@ def test_auto_prefill_form_absorbs_chunks_over_a_cached_prefix() -> None:
     assert attn._absorb_prefill(64, 1088) and attn._absorb_prefill(256, 512)  # chunks over a prefix absorb
     attn.prefill_form = "naive"
     assert not attn._absorb_prefill(64, 1088)
+
+
+def test_rope_lookup_follows_in_place_updates_of_positions() -> None:
+    rot = RotaryEmbedding(ModelConfig.from_dict(V3_CONFIG).rope, 64, 16)
+    positions = torch.tensor([0, 1, 2])
+    first = rot.cos_sin(positions)
+    positions.copy_(torch.tensor([20, 21, 22]))  # an engine refilling a reused buffer
+    second = rot.cos_sin(positions)
+    assert not torch.equal(first[0], second[0])
+    torch.testing.assert_close(second[0], rot.cos_sin(torch.tensor([20, 21, 22]))[0])

@@ -269,6 +269,8 @@ def mla_decode_triton(
         BLOCK_R=block_r,
         BLOCK_DR=block_dr,
         FP32_DOT=fp32_dot,
+        num_warps=8 if block_r >= 256 else 4,  # V3's 512-wide latent tile wants more threads per program
+        num_stages=2,
     )
     merge_kernel[(batch, heads)](
         partial,

@@ -60,6 +60,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq_cpu, self.attention_factor = rope_inv_freq(rope, dim)
         self._table_len = max(int(max_positions), 1)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(device)
@@ -77,9 +78,17 @@ class RotaryEmbedding(torch.nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, dim/2] in fp32 for the given absolute positions."""
+        # Every layer of a forward pass asks for the same positions tensor: look it up once (this also
+        # avoids one host sync per layer on GPUs). The version counter catches in-place refills of a reused
+        # buffer.
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == positions._version:
+            return last[2], last[3]
         needed = int(positions.max().item()) + 1 if positions.numel() else 1
         cos, sin = self._table(positions.device, needed)
-        return cos[positions], sin[positions]
+        result = (cos[positions], sin[positions])
+        self._last = (positions, positions._version, *result)
+        return result
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
