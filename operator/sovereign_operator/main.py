@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import logging
 
 import kopf
 
@@ -19,6 +20,10 @@ def run_operator(namespaces: list[str] | None, health_port: int, verbose: bool) 
     handlers.STATE.health_port = health_port
     # kopf installs its own log format; a second handler would print every line twice.
     kopf.configure(verbose=verbose)
+    if not verbose:
+        # lightkube's HTTP client logs every request at INFO; keep the log about decisions.
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         kopf.run(
             standalone=True,
