@@ -81,11 +81,11 @@ def _pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
         status = pod.get("status") or {}
         for condition in status.get("conditions") or []:
             if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
-                detail = condition.get("message", "").strip()
+                detail = condition.get("message", "").strip().rstrip(".")
                 problems.append(
                     (
                         "Unschedulable",
-                        f"pod {name} cannot be scheduled: {detail} Check that nodes offer the GPUs and RDMA"
+                        f"pod {name} cannot be scheduled: {detail}. Check that nodes offer the GPUs and RDMA"
                         " devices the pool requests (kubectl describe pod), or lower the pool's resources.",
                     )
                 )
