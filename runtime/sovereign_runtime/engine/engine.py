@@ -90,7 +90,7 @@ class LLMEngine:
     ) -> None:
         self.config = cfg = config or EngineConfig()
         self.device = torch.device(cfg.device)
-        dtype = cfg.dtype or next(model.parameters()).dtype  # type: ignore[attr-defined]
+        dtype = cfg.dtype or _activation_dtype(model)
         max_model_len = cfg.max_model_len or max_position_embeddings
         layout = KVLayout(num_layers, cfg.block_size, kv_cache_dim, dtype)
         # More blocks than max_num_seqs full contexts (twice, for the prefix cache) is wasted host RAM.
@@ -250,6 +250,14 @@ class LLMEngine:
             num_blocks=self.scheduler.pool.num_blocks,
             block_size=self.scheduler.block_size,
         )
+
+
+def _activation_dtype(model: Any) -> torch.dtype:
+    """The model's compute dtype: its first 16/32-bit float parameter (FP8 weights do not count)."""
+    for p in model.parameters():
+        if p.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return p.dtype
+    return torch.float32
 
 
 class AsyncEngine:

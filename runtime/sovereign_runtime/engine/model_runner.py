@@ -93,7 +93,9 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, meta, logit_rows
 
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: model code may keep tensors (e.g. RoPE caches keyed on a
+    # tensor's version counter) that inference tensors do not support.
+    @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run the batch; returns one sampled token per sequence with ``sample`` set (in batch order)."""
         ids, meta, logit_rows = self.prepare(batch)
