@@ -288,7 +288,10 @@ def test_auto_prefill_form_absorbs_chunks_over_a_cached_prefix() -> None:
     attn = MLAAttention.__new__(MLAAttention)  # only the decision rule is exercised
     attn.prefill_form = "auto"
     assert not attn._absorb_prefill(64, 64) and not attn._absorb_prefill(2048, 2048)  # fresh prompts expand
-    assert attn._absorb_prefill(64, 1088) and attn._absorb_prefill(256, 512)  # chunks over a prefix absorb
+    assert not attn._absorb_prefill(256, 1280)  # long chunks expand
+    assert attn._absorb_prefill(64, 1088) and attn._absorb_prefill(
+        64, 4096
+    )  # short chunks over a prefix absorb
     attn.prefill_form = "naive"
     assert not attn._absorb_prefill(64, 1088)
 

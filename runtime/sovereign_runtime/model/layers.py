@@ -156,10 +156,11 @@ class MLAAttention(nn.Module):
     """
 
     # Prefill form: "naive" expands per-head K/V from the latent, "absorbed" attends in latent space, "auto"
-    # picks absorbed when the new tokens sit on a cached prefix at least as long as themselves (chunked
-    # prefill, radix-cache hits): expanding K/V for the whole context then dominates. Fresh prompts expand.
-    # Measured on CPU with V3 head dims (bench/mla_prefill_forms.py, docs/BENCHMARKS.md): absorbed is
-    # 0.17-0.58× the naive time for chunks over a prefix, 1.2-2× for fresh prompts.
+    # absorbs when the new tokens are a short chunk over a long cached prefix (context ≥ 16 × new tokens:
+    # chunked prefill, radix-cache hits), where expanding K/V for the whole context dominates; fresh prompts
+    # and long chunks expand. Measured on CPU with V3 head dims (bench/mla_prefill_forms.py, see
+    # docs/BENCHMARKS.md): absorbed/naive time 0.44 at 64 over 2048, 0.81 at 64 over 1024, 1.08-1.34 below.
+    absorb_context_ratio: int = 16
     prefill_form: str = "auto"
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
@@ -273,7 +274,7 @@ class MLAAttention(nn.Module):
     def _absorb_prefill(self, query_len: int, context_len: int) -> bool:
         if self.prefill_form != "auto":
             return self.prefill_form == "absorbed"
-        return context_len >= 2 * query_len
+        return context_len >= self.absorb_context_ratio * query_len
 
     def _prefill(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor
