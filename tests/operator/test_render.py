@@ -187,6 +187,8 @@ def test_shm_jit_cache_and_cache_environment() -> None:
     for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR"):
         assert env[variable].startswith(mount + "/")
     assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm", mount}
+    # The non-root runtime user can write the cache volume.
+    assert statefulset["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 65532
 
 
 BUDGET_CASES = [

@@ -37,6 +37,7 @@ APP_NAME = "sovereign"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
+RUNTIME_GID = 65532  # the group of the runtime image's user (images/runtime.Dockerfile)
 # Time after the preStop drain for SIGTERM handling: the runtime drains again for up to its own
 # --drain-timeout (30 s by default) before it exits.
 EXIT_GRACE_SECONDS = 45
@@ -287,6 +288,8 @@ def _worker_pod_template(
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        # The runtime image runs as a non-root user; fsGroup makes a JIT-cache PVC writable to it.
+        "securityContext": {"fsGroup": RUNTIME_GID, "fsGroupChangePolicy": "OnRootMismatch"},
         "terminationGracePeriodSeconds": spec.runtime.drain_timeout_seconds + EXIT_GRACE_SECONDS,
         "containers": [container],
         "volumes": volumes,
