@@ -48,3 +48,36 @@ def test_handlers_cover_the_lifecycle_without_a_delete_handler() -> None:
     assert not [h for h in changing if str(getattr(h.reason, "value", h.reason)) == "delete"]
     watched = {h.fn for h in watching}
     assert {handlers.statefulset_event, handlers.deployment_event, handlers.pod_event} <= watched
+
+
+def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> None:
+    import logging
+
+    from operator_fakes import FakeKube, body_for
+    from operator_specs import TINY_SPEC
+    from sovereign_operator import handlers
+    from sovereign_operator.reconcile import Reconciler
+
+    kube = FakeKube(body_for(TINY_SPEC))
+    handlers.STATE.reconciler = Reconciler(kube)
+    log = logging.getLogger("test")
+    labels = {"app.kubernetes.io/instance": "llm", "app.kubernetes.io/managed-by": "sovereign-operator"}
+
+    async def scenario() -> None:
+        await handlers.STATE.reconciler.reconcile(kube.body)
+        applies = kube.applies
+        pod = {"kind": "Pod", "metadata": {"name": "llm-unified-0", "namespace": "ns", "labels": labels}}
+        await handlers.pod_event({"type": "DELETED"}, pod, log)
+        assert kube.applies == applies
+        del kube.children[("StatefulSet", "llm-unified")]
+        sts = {
+            "kind": "StatefulSet",
+            "metadata": {"name": "llm-unified", "namespace": "ns", "labels": labels},
+        }
+        await handlers.statefulset_event({"type": "DELETED"}, sts, log)
+        assert ("StatefulSet", "llm-unified") in kube.children and kube.applies > applies
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        handlers.STATE.reconciler = None
