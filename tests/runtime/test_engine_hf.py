@@ -52,8 +52,9 @@ def _engine(path: Path, **kw: object) -> LLMEngine:
         {"q_lora_rank": None},
         {"yarn": True},
         {"yarn": True, "rope_key": "rope_scaling", "router_bias": False},
+        {"fp8": True},  # block-quantised weights vs HF on the dequantised weights
     ],
-    ids=["q_lora+bias", "no_q_lora", "yarn", "yarn_rope_scaling_nobias"],
+    ids=["q_lora+bias", "no_q_lora", "yarn", "yarn_rope_scaling_nobias", "fp8"],
 )
 def test_concurrent_greedy_equals_hf(tiny_checkpoint_factory: Callable[..., Path], options: dict) -> None:
     path = tiny_checkpoint_factory(**options)

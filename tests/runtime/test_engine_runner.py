@@ -120,3 +120,21 @@ def test_eos_seed_and_abort() -> None:
     assert out_abort is not None and out_abort.finished and out_abort.finish_reason == "abort"
     st = eng.stats()
     assert st.kv_cache_usage == 0.0 and not eng.has_unfinished()
+
+
+def test_logprobs_in_outputs_match_the_reference() -> None:
+    model = ToyPagedModel()
+    eng = _engine(model)
+    prompt = _prompts(1, seed=9)[0]
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    tokens = list(prompt)
+    for o in outs:
+        ref = torch.log_softmax(model.reference_logits(tokens)[-1], -1)
+        (lp,) = o.new_logprobs
+        assert lp.token_id == o.new_token_ids[0] == int(ref.argmax())
+        assert abs(lp.logprob - ref.max().item()) < 1e-4
+        assert [t for t, _ in lp.top] == ref.topk(2).indices.tolist()
+        tokens += o.new_token_ids
