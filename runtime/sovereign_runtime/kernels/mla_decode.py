@@ -113,6 +113,7 @@ def _build_kernels() -> tuple[object, object]:
         BLOCK_R: tl.constexpr,
         BLOCK_DR: tl.constexpr,
         FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -148,14 +149,15 @@ def _build_kernels() -> tuple[object, object]:
             if FP32_DOT:
                 c = c.to(tl.float32)
                 k_pe = k_pe.to(tl.float32)
-            scores = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(k_pe))
+            scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+            scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
             scores = scores * scale
             scores = tl.where(t_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
             m_i = m_new
 
         has_tokens = l_i > 0
@@ -269,6 +271,8 @@ def mla_decode_triton(
         BLOCK_R=block_r,
         BLOCK_DR=block_dr,
         FP32_DOT=fp32_dot,
+        # fp32 inputs get exact fp32 dots (not TF32) so fp32 models match the reference on GPUs too.
+        PRECISION="ieee" if fp32_dot else "tf32",
         num_warps=8 if block_r >= 256 else 4,  # V3's 512-wide latent tile wants more threads per program
         num_stages=2,
     )
