@@ -304,3 +304,48 @@ def test_rope_lookup_follows_in_place_updates_of_positions() -> None:
     second = rot.cos_sin(positions)
     assert not torch.equal(first[0], second[0])
     torch.testing.assert_close(second[0], rot.cos_sin(torch.tensor([20, 21, 22]))[0])
+
+
+def test_mtp_forward_matches_hf_decoder_layer(tiny_checkpoint: Path) -> None:
+    """MTP depth 1 = HF's V3 decoder layer applied to eh_proj(cat(enorm(embed(next)), hnorm(hidden)))."""
+    from checkpoints import _to_hf_names
+    from safetensors.torch import load_file
+    from sovereign_runtime.model import attention_context
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    model, config = load_model(tiny_checkpoint)
+    n = config.num_hidden_layers
+    raw = load_file(str(tiny_checkpoint / "model.safetensors"))
+    prefix = f"model.layers.{n}."
+    w = {k[len(prefix) :]: v for k, v in raw.items() if k.startswith(prefix)}
+
+    prompt, following = [7, 9, 11, 13, 15, 17], [9, 11, 13, 15, 17, 19]
+    runner = PagedRunner(model, num_blocks=4, block_size=16, include_mtp=True)
+    sid = runner.new_sequence()
+    ids, meta = runner.metadata([(sid, prompt)])
+    with attention_context(meta):
+        hidden = model(ids, meta.positions)
+        ours = model.mtp_hidden(hidden, torch.tensor(following), meta.positions)
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=config.rms_norm_eps)
+
+    embeds = raw["model.embed_tokens.weight"][torch.tensor(following)]
+    x = (
+        torch.cat([rms(embeds, w["enorm.weight"]), rms(hidden, w["hnorm.weight"])], -1)
+        @ w["eh_proj.weight"].T
+    )
+    hf_config = DeepseekV3Config.from_pretrained(str(tiny_checkpoint))
+    hf_config._attn_implementation = "eager"
+    layer = hf.DeepseekV3DecoderLayer(hf_config, layer_idx=n).eval()
+    keep = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+    layer.load_state_dict(_to_hf_names({k: v for k, v in w.items() if k.startswith(keep)}, hf_config))
+    rotary = hf.DeepseekV3RotaryEmbedding(hf_config)
+    positions = torch.arange(len(prompt))[None]
+    mask = torch.full((len(prompt), len(prompt)), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        expected = layer(x[None], attention_mask=mask, position_embeddings=rotary(x[None], positions))[0]
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    head_logits = rms(expected, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+    torch.testing.assert_close(model.compute_mtp_logits(ours), head_logits, atol=1e-4, rtol=1e-5)
