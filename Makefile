@@ -7,11 +7,13 @@ BIN := $(VENV)/bin
 VENV_STAMP := $(VENV)/.stamp-$(shell sha1sum pyproject.toml | cut -c1-12)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv lint test unit demo crd clean
+.PHONY: help venv lint test unit demo demo-stop crd clean tools cluster-up cluster-down
 
 help:
 	@echo "make demo   - local control plane + operator + built-in model, end to end"
 	@echo "make test   - lint and every test (builds what is missing)"
+	@echo "make cluster-up / cluster-down - local control plane (kubeconfig: .cluster/kubeconfig)"
+	@echo "make demo-stop - stop the demo operator and delete the local cluster"
 
 venv: $(VENV_STAMP)
 
@@ -28,14 +30,27 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -m "not cluster"
 
-test: venv lint
+test: venv lint tools
 	$(BIN)/pytest
 
 crd: venv
 	$(BIN)/sovereign-operator crd > crds/sovereign.ai_llmdeployments.yaml
 
-demo: venv
-	@echo "demo: not wired yet"
+# Go-built control-plane binaries in e2e/cluster/bin (rebuilt only when the pins change).
+tools:
+	e2e/cluster/build.sh
+
+cluster-up: tools
+	e2e/cluster/cluster.sh up
+
+cluster-down:
+	e2e/cluster/cluster.sh down
+
+demo: venv tools
+	e2e/demo.sh
+
+demo-stop:
+	e2e/demo.sh stop
 
 clean:
 	rm -rf $(VENV) .cache .cluster

@@ -1,0 +1,250 @@
+"""Helpers for the cluster tests: kubectl with JSON, polling, the operator as a subprocess."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = REPO / "e2e" / "cluster" / "bin"
+CLUSTER_SH = REPO / "e2e" / "cluster" / "cluster.sh"
+CRD_DIR = REPO / "crds"
+EXAMPLES = REPO / "examples"
+RBAC_RULES = REPO / "charts" / "sovereign" / "files" / "operator-rbac-rules.yaml"
+OPERATOR_CLI = REPO / ".venv" / "bin" / "sovereign-operator"
+
+OPERATOR_NAMESPACE = "sovereign-system"
+OPERATOR_SA = "sovereign-operator"
+OPERATOR_ROLE = "sovereign-operator-test"
+
+
+@dataclass
+class Kubectl:
+    """kubectl against one cluster, with JSON in and out."""
+
+    kubeconfig: Path
+
+    def run(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(BIN / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}"
+            )
+        return proc
+
+    def get(self, *args: str) -> dict[str, Any]:
+        return json.loads(self.run("get", "-o", "json", *args).stdout)
+
+    def get_or_none(self, *args: str) -> dict[str, Any] | None:
+        proc = self.run("get", "-o", "json", *args, check=False)
+        if proc.returncode != 0:
+            if "NotFound" in proc.stderr or "not found" in proc.stderr:
+                return None
+            raise AssertionError(f"kubectl get {' '.join(args)}: {proc.stderr.strip()}")
+        return json.loads(proc.stdout)
+
+    def items(self, *args: str) -> list[dict[str, Any]]:
+        return list(self.get(*args)["items"])
+
+    def apply(self, manifest: dict[str, Any] | str, namespace: str | None = None) -> None:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        ns = ["-n", namespace] if namespace else []
+        self.run("apply", *ns, "-f", "-", stdin=text)
+
+    def try_create(self, manifest: dict[str, Any], namespace: str) -> subprocess.CompletedProcess[str]:
+        """Create without raising: the caller inspects the apiserver's answer."""
+        return self.run("create", "-n", namespace, "-f", "-", stdin=json.dumps(manifest), check=False)
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
+    """Poll until predicate returns something truthy; fail naming `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {last!r}")
+
+
+def reachable(kubeconfig: Path) -> bool:
+    if not (BIN / "kubectl").exists() or not kubeconfig.exists():
+        return False
+    return Kubectl(kubeconfig).run("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
+
+
+@dataclass
+class OperatorProcess:
+    """`sovereign-operator run` as a subprocess; logs go to a file the failure message points at."""
+
+    kubeconfig: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "operator already running"
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.extra_env}
+        env.pop("KUBERNETES_SERVICE_HOST", None)  # never pick up an in-cluster identity
+        self.starts += 1
+        log = self.log_path.open("ab")
+        log.write(f"\n===== start #{self.starts} =====\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(
+            [str(OPERATOR_CLI), "run"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        log.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        """Stop abruptly, as a crash or an evicted pod would."""
+        self.stop(signal.SIGKILL)
+
+    def assert_alive(self) -> None:
+        assert self.proc is not None and self.proc.poll() is None, (
+            f"operator exited with {self.proc.returncode if self.proc else None}; log: {self.log_path}\n"
+            + self.tail()
+        )
+
+    def tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """The status condition of type `kind`, if present."""
+    if not obj:
+        return None
+    for cond in obj.get("status", {}).get("conditions", []) or []:
+        if cond.get("type") == kind:
+            return dict(cond)
+    return None
+
+
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
+
+
+def set_rdma(kube: Kubectl, on: bool) -> None:
+    """Give the GPU nodes the RDMA device-plugin resource, or take it away (as cluster.sh rdma)."""
+    value = "1k" if on else None
+    patch = json.dumps(
+        {"status": {"capacity": {RDMA_RESOURCE: value}, "allocatable": {RDMA_RESOURCE: value}}}
+    )
+    for node in kube.items("nodes", "-l", GPU_NODE_SELECTOR):
+        name = node["metadata"]["name"]
+        label = "feature.node.kubernetes.io/rdma.available" + ("=true" if on else "-")
+        kube.run("label", "node", name, label, "--overwrite")
+        kube.run("patch", "node", name, "--subresource=status", "--type=merge", "-p", patch)
+
+
+def audit_log_path(kube: Kubectl) -> Path | None:
+    """The local cluster's audit log of writes, when the tests run on the local cluster."""
+    if kube.kubeconfig.resolve() != (REPO / ".cluster" / "kubeconfig").resolve():
+        return None
+    path = Path(subprocess.run([str(CLUSTER_SH), "audit-log"], capture_output=True, text=True).stdout.strip())
+    return path if path.exists() else None
+
+
+def audited_writes(path: Path, user: str, since: float) -> list[dict[str, Any]]:
+    """Write requests `user` made since the wall-clock time `since` (seconds since the epoch)."""
+    out: list[dict[str, Any]] = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+        if event.get("user", {}).get("username") != user:
+            continue
+        stamp = event.get("requestReceivedTimestamp", "")
+        if _epoch(stamp) >= since:
+            out.append(event)
+    return out
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else 0.0
+
+
+def make_operator_kubeconfig(kube: Kubectl, directory: Path) -> Path:
+    """A kubeconfig for the operator's ServiceAccount, bound to exactly the chart's RBAC rules."""
+    rules = yaml.safe_load(RBAC_RULES.read_text())
+    rules = rules["rules"] if isinstance(rules, dict) else rules
+    manifests: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": OPERATOR_ROLE},
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": OPERATOR_ROLE},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": OPERATOR_ROLE,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}],
+        },
+    ]
+    kube.apply({"apiVersion": "v1", "kind": "List", "items": manifests})
+    token = kube.run(
+        "create", "token", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "--duration=24h"
+    ).stdout.strip()
+
+    raw = json.loads(kube.run("config", "view", "--raw", "--minify", "-o", "json").stdout)
+    cluster = raw["clusters"][0]["cluster"]
+    if "certificate-authority" in cluster and "certificate-authority-data" not in cluster:
+        ca = Path(cluster.pop("certificate-authority")).read_bytes()
+        cluster["certificate-authority-data"] = base64.b64encode(ca).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": cluster}],
+        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": OPERATOR_SA}}],
+        "current-context": "operator",
+    }
+    path = directory / "operator-kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
