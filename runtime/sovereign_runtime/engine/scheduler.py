@@ -73,6 +73,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
+        # Remote prefill (disaggregation): blocks held for a prompt whose KV another instance computes.
+        self.reserved: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -106,10 +108,11 @@ class Scheduler:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        if self.reserved.pop(request_id, None) is None:  # a reserved request is in neither queue
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
         self._release(seq, cache_pages=False)
         self._finish(seq, "abort")
         return seq
@@ -207,6 +210,59 @@ class Scheduler:
             return "length"
         return None
 
+    # ---- remote prefill -----------------------------------------------------------------------------
+    def reserve(self, seq: Sequence) -> bool:
+        """Hold blocks for ``seq``'s whole prompt, reusing cached prefix pages, without scheduling it.
+
+        Another instance computes the uncached part; ``commit`` then makes ``seq`` a running decode and
+        ``prefill_locally`` queues it for an ordinary prefill instead. False (nothing held) when the pool
+        cannot hold the prompt now.
+        """
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.check_request(seq)
+        self._reuse_prefix(seq)
+        if not self._grow(seq, seq.num_prompt_tokens, may_evict_only_if_enough=True):
+            self._release(seq, cache_pages=False)
+            seq.num_computed_tokens = 0
+            return False
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if self.cache is not None:
+            self.cache.record_lookup(seq.num_prompt_tokens, seq.num_computed_tokens)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.reserved[seq.request_id] = seq
+        return True
+
+    def commit(self, request_id: str, first_token: int, now: float | None = None) -> Sequence | None:
+        """The reserved blocks now hold the prompt's KV: ``seq`` joins the batch as a decode with its
+        first token already sampled (or finishes at once). None if the request is no longer reserved."""
+        seq = self.reserved.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.token_ids.append(first_token)
+        seq.first_token_time = time.monotonic() if now is None else now
+        reason = self._stop_reason(seq, first_token)
+        if reason is not None:
+            self._release(seq, cache_pages=True)
+            self._finish(seq, reason)
+        else:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return seq
+
+    def prefill_locally(self, request_id: str) -> bool:
+        """The remote prefill failed: drop the reserved blocks (their content is not trusted) and queue
+        the request for an ordinary prefill, at the front since it already waited."""
+        seq = self.reserved.pop(request_id, None)
+        if seq is None:
+            return False
+        self._release(seq, cache_pages=False)
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        return True
+
     # ---- blocks -------------------------------------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -300,6 +356,11 @@ class Scheduler:
                 expected[b] += 1
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.cache_node is None
+        for seq in self.reserved.values():
+            assert seq.status is SequenceStatus.WAITING and seq not in self.waiting
+            assert len(seq.block_table) == self._blocks_for(seq.num_prompt_tokens)
+            for b in seq.block_table:
+                expected[b] += 1
         if self.cache is not None:
             for node in self.cache._nodes():
                 for b in node.blocks:
