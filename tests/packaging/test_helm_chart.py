@@ -386,6 +386,15 @@ def test_rdma_resource_is_one_value(helm: str, resource: str | None):
     assert (
         volumes["config"]["configMap"]["name"] == one(docs, "ConfigMap", "-rdma-devices")["metadata"]["name"]
     )
+    # The plugin reads its config from a fixed path and registers through the kubelet's socket dir.
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/k8s-rdma-shared-dev-plugin"]]["configMap"]["items"] == [
+        {"key": "config.json", "path": "config.json"}
+    ]
+    plugin_dir = "/var/lib/kubelet/device-plugins"
+    assert volumes[mounts[plugin_dir]]["hostPath"]["path"] == plugin_dir
+    assert "args" not in container
 
 
 def test_argocd_snippet_carries_the_health_check(all_on_docs: list[dict]):
