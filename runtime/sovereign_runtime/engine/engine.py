@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,10 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Prefill side of disaggregation: request id -> called on the engine thread after each forward
+        # that computed part of that request, with the number of tokens whose KV is now in its blocks
+        # (read them before the step releases the blocks). Set and cleared by sovereign_runtime.disagg.
+        self.kv_export_hooks: dict[str, Callable[[Sequence, int], None]] = {}
 
     @classmethod
     def from_model(cls, model: Any, config: EngineConfig | None = None) -> LLMEngine:
@@ -196,6 +200,8 @@ class LLMEngine:
         if not batch.seqs:
             return []
         out = self.runner.execute(batch)
+        if self.kv_export_hooks:
+            self._export_kv(batch)
         sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
         self.prompt_tokens_total += sum(
             min(n, s.num_prompt_tokens - s.num_computed_tokens)
@@ -212,6 +218,40 @@ class LLMEngine:
                 lp = [TokenLogprob(out.token_ids[i], out.logprobs[i], out.top_logprobs[i] or [])]  # type: ignore[arg-type]
             outputs.append(self._output(seq, [out.token_ids[i]], lp, now))
         return outputs
+
+    def _export_kv(self, batch: Any) -> None:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            hook = self.kv_export_hooks.get(seq.request_id)
+            if hook is None:
+                continue
+            try:
+                hook(seq, seq.num_computed_tokens + n)
+            except Exception:  # a broken transfer fails that request's transfer, never the batch
+                self.kv_export_hooks.pop(seq.request_id, None)
+
+    # ---- remote prefill (decode side of disaggregation) --------------------------------------------
+    def reserve_remote(self, seq: Sequence) -> RemoteSlot | None:
+        """Hold blocks for the prompt; the slot says where the uncached rows go. None: no room now."""
+        if not self.scheduler.reserve(seq):
+            return None
+        return RemoteSlot(
+            seq.request_id,
+            seq.num_computed_tokens,
+            seq.num_prompt_tokens,
+            list(seq.block_table),
+            self.runner.kv_cache,
+            self.scheduler.block_size,
+        )
+
+    def commit_remote(
+        self, request_id: str, token: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput | None:
+        seq = self.scheduler.commit(request_id, token, now)
+        if seq is None:
+            return None
+        self.generation_tokens_total += 1
+        lp = [logprob] if logprob is not None and seq.params.logprobs is not None else None
+        return self._output(seq, [token], lp, now)
 
     def _output(
         self, seq: Sequence, new: list[int], lp: list[TokenLogprob] | None, now: float
@@ -258,6 +298,29 @@ def _activation_dtype(model: Any) -> torch.dtype:
         if p.dtype in (torch.float32, torch.bfloat16, torch.float16):
             return p.dtype
     return torch.float32
+
+
+@dataclass
+class RemoteSlot:
+    """Where a remotely computed prompt's KV goes: rows for positions ``[num_cached, num_prompt)``
+    belong at ``kv_cache[layer, block_table[p // block_size], p % block_size]``."""
+
+    request_id: str
+    num_cached: int
+    num_prompt: int
+    block_table: list[int]
+    kv_cache: torch.Tensor
+    block_size: int
+
+
+@dataclass
+class RemoteFirstToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+# Fetches a prompt's KV into the slot; returns the first token, or None (or raises) to prefill locally.
+RemoteFetch = Callable[[RemoteSlot], Awaitable[RemoteFirstToken | None]]
 
 
 class AsyncEngine:
@@ -313,6 +376,55 @@ class AsyncEngine:
             if not finished:
                 self._send("abort", rid)
 
+    async def generate_remote(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        fetch: RemoteFetch,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Like ``generate``, but the prompt's KV comes from elsewhere: blocks are reserved for the whole
+        prompt, ``fetch`` fills the uncached rows and returns the first token, and the request joins the
+        batch as a decode. If the pool has no room, or ``fetch`` fails, the request is prefilled locally;
+        closing the iterator at any point aborts it and frees its blocks."""
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seq = self.engine.make_sequence(prompt_token_ids, params, rid)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[rid] = (loop, queue)
+        self._send("reserve", seq)
+        finished = False
+        try:
+            slot = await queue.get()
+            if isinstance(slot, BaseException):
+                raise slot
+            first: RemoteFirstToken | None = None
+            if slot is not None:
+                try:
+                    first = await fetch(slot)
+                except Exception:
+                    first = None  # the fetcher recorded why; a local prefill still answers
+            if first is None:
+                self._send("local", rid)
+            else:
+                self._send("commit", (rid, first))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._send("abort", rid)
+
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
@@ -352,6 +464,21 @@ class AsyncEngine:
                     self.engine.add_sequence(arg)
                 except ValueError as e:
                     self._deliver(arg.request_id, e)
+            elif kind == "reserve":
+                try:
+                    slot = self.engine.reserve_remote(arg)
+                    if slot is None:  # no room for the whole prompt now: queue it as a local prefill
+                        self.engine.add_sequence(arg)
+                    self._deliver(arg.request_id, slot)
+                except ValueError as e:
+                    self._deliver(arg.request_id, e)
+            elif kind == "local":
+                self.engine.scheduler.prefill_locally(arg)
+            elif kind == "commit":
+                rid, first = arg
+                out = self.engine.commit_remote(rid, first.token_id, first.logprob, time.monotonic())
+                if out is not None:
+                    self._deliver(rid, out)
             else:
                 out = self.engine.abort(arg)
                 if out is not None:
