@@ -14,6 +14,7 @@ from sovereign_runtime.model import (
     kv_bytes_per_token,
     load_model,
     mha_kv_bytes_per_token,
+    prompt_logits,
 )
 from sovereign_runtime.model.layers import grouped_topk
 from sovereign_runtime.model.rope import RotaryEmbedding, rope_inv_freq
@@ -349,3 +350,12 @@ def test_mtp_forward_matches_hf_decoder_layer(tiny_checkpoint: Path) -> None:
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
     head_logits = rms(expected, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
     torch.testing.assert_close(model.compute_mtp_logits(ours), head_logits, atol=1e-4, rtol=1e-5)
+
+
+def test_model_runs_under_inference_mode(tiny_checkpoint: Path) -> None:
+    model, _ = load_model(tiny_checkpoint)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = prompt_logits(model, prompt)
+    with torch.inference_mode():
+        torch.testing.assert_close(prompt_logits(model, prompt), expected)
+        torch.testing.assert_close(prompt_logits(model, prompt[:5]), expected[:5])

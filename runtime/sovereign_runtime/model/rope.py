@@ -81,13 +81,17 @@ class RotaryEmbedding(torch.nn.Module):
         # Every layer of a forward pass asks for the same positions tensor: look it up once (this also
         # avoids one host sync per layer on GPUs). The version counter catches in-place refills of a reused
         # buffer.
+        try:
+            version: int | None = positions._version
+        except RuntimeError:  # inference-mode tensors keep no version counter: no memo for them
+            version = None
         last = self._last
-        if last is not None and last[0] is positions and last[1] == positions._version:
+        if version is not None and last is not None and last[0] is positions and last[1] == version:
             return last[2], last[3]
         needed = int(positions.max().item()) + 1 if positions.numel() else 1
         cos, sin = self._table(positions.device, needed)
         result = (cos[positions], sin[positions])
-        self._last = (positions, positions._version, *result)
+        self._last = None if version is None else (positions, version, *result)
         return result
 
     @staticmethod
