@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CHART, REPO, TOOLS_DIR, find_tool, kube_version, unavailable
+from packaging_helpers import CHART, REPO, TOOLS_DIR, find_tool, kube_version, unavailable
 
 pytestmark = pytest.mark.cluster
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jsonschema
 import yaml
-from conftest import CHART, REPO
+from packaging_helpers import CHART, REPO
 
 GITOPS = REPO / "examples" / "gitops"
 

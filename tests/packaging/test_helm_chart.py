@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import (
+from packaging_helpers import (
     CHART,
     REPO,
     SCHEMA_LOCATION,

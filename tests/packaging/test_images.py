@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from packaging_helpers import REPO
 
 IMAGES = {p.name: p for p in sorted((REPO / "images").glob("*.Dockerfile"))}
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]

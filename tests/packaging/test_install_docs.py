@@ -6,7 +6,7 @@ import re
 
 import pytest
 import yaml
-from conftest import CHART, REPO
+from packaging_helpers import CHART, REPO
 
 DOCS = ["install.md", "gitops.md", "rdma.md", "troubleshooting.md"]
 REPO_PATH = re.compile(r"`((?:charts|examples|e2e|images|crds|docs|tests)/[A-Za-z0-9_./{},-]+)`")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from packaging_helpers import REPO
 
 KIND = REPO / "e2e" / "kind"
 SKIP_DIRS = {"bin", ".logs", "__pycache__"}
