@@ -378,6 +378,15 @@ def test_rdma_resource_is_one_value(helm: str, resource: str | None):
     (entry,) = config["configList"]
     assert f"{entry['resourcePrefix']}/{entry['resourceName']}" == expected
     assert _operator_env(docs)["SOVEREIGN_RDMA_RESOURCE"] == expected
+    # The operator reads its defaults from exactly that environment.
+    from sovereign_operator.render.plan import OperatorDefaults
+
+    defaults = OperatorDefaults.from_environment(
+        {k: v for k, v in _operator_env(docs).items() if v is not None}
+    )
+    assert defaults.rdma_resource == expected
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert defaults.runtime_image == f"{values()['runtimeImage']['repository']}:{app_version}"
     daemonset = one(docs, "DaemonSet")
     pod = daemonset["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == values()["rdma"]["sharedDevicePlugin"]["nodeSelector"]
