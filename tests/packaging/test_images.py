@@ -124,7 +124,12 @@ def test_runtime_entrypoint_is_its_console_script():
     assert entrypoint("runtime.Dockerfile") == ["sovereign-runtime"]
     assert "sovereign-runtime" in SCRIPTS
     (cmd,) = [json.loads(r) for w, r in final_stage(IMAGES["runtime.Dockerfile"]) if w == "CMD"]
-    assert cmd[0] == "serve" and "--port" in cmd
+    # The default command parses with the runtime's own CLI.
+    from sovereign_runtime.cli import build_parser
+
+    parsed = build_parser().parse_args(cmd)
+    assert parsed.command == "serve" and parsed.port == 8000 and parsed.host == "0.0.0.0"
+    assert parsed.model.startswith("builtin:")
 
 
 def test_operator_image_has_no_runtime_extra():
