@@ -174,7 +174,8 @@ def aggregate_pool(
     quantile: float | None = 0.9,
     errors: Sequence[str] = (),
 ) -> PoolMetrics:
-    """One pool's metrics from this round's pod samples and the previous round's.
+    """One pool's metrics from this round's pod samples and the previous round's, both keyed by
+    the sample's `url` (a pod matches its previous sample by URL).
 
     Queues are summed, KV usage averaged (and maxed), latencies are the quantile (or the mean when
     `quantile` is None) of the observations between the two rounds; pods seen for the first time
