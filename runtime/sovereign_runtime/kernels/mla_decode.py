@@ -38,16 +38,19 @@ def mla_decode_reference(
     batch = q.shape[0]
     block_size = kv_cache.shape[1]
     max_len = int(context_lens.max().item())
-    pos = torch.arange(max_len, device=q.device)
-    tables = block_tables[:, : (max_len + block_size - 1) // block_size].long().clamp(min=0)
-    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [batch, max_len]
+    num_blocks = (max_len + block_size - 1) // block_size
+    # Cache slot of every context position: block id × block_size + offset (padding blocks clamp to 0 and
+    # are masked below). bmm rather than einsum: this runs once per layer per decode step.
+    offsets = torch.arange(block_size, device=q.device)
+    tables = block_tables[:, :num_blocks].long().clamp(min=0) * block_size
+    slots = (tables[:, :, None] + offsets).reshape(batch, -1)[:, :max_len]
     kv = kv_cache.reshape(-1, kv_cache.shape[-1])[slots.reshape(-1)].reshape(batch, max_len, -1).float()
-    scores = torch.einsum("bhd,bld->bhl", q.float(), kv) * scale
-    valid = pos[None, :] < context_lens[:, None].to(pos.device)
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    scores = torch.bmm(q.float(), kv.transpose(1, 2)) * scale  # [batch, heads, max_len]
+    if int(context_lens.min().item()) < max_len:
+        valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhl,blr->bhr", probs, kv[..., :kv_lora_rank])
-    return out.to(q.dtype)
+    return torch.bmm(probs, kv[..., :kv_lora_rank]).to(q.dtype)
 
 
 def default_num_splits(batch: int, heads: int, max_context_len: int, block_n: int = 64) -> int:

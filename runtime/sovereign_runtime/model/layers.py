@@ -230,10 +230,11 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """Weight-absorbed attention for one query per sequence: no per-head K or V is built."""
         w_uk, w_uv = self._w_uk_uv(q_nope.dtype)
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        # Per-head matmuls as batched products over heads ([H, T, ·]); einsum's overhead shows at decode sizes.
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         q = torch.cat([q_lat, q_pe], dim=-1)
         o_lat = mla_decode(q, self.kv_cache, block_tables, context_lens, self.scale, self.config.kv_lora_rank)
-        return torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)
+        return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _mixed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
