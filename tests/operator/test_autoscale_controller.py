@@ -338,3 +338,37 @@ def test_kopf_timer_is_registered_and_builds_on_the_operator_state() -> None:
         assert "sovereign_autoscaler_desired_replicas" in names
     finally:
         handlers.STATE.kube, handlers.STATE.reconciler, timer._controller = saved
+
+
+def test_switching_back_to_fixed_replicas_clears_the_autoscaler_status() -> None:
+    spec = copy.deepcopy(SPEC)
+    spec["decode"] = {"replicas": 2}
+    b = body(spec)
+    b["status"]["pools"]["unified"]["autoscaler"] = {"desiredReplicas": 4, "signal": "kv_cache_usage"}
+    b["status"]["conditions"].append(
+        {
+            "type": "MetricsAvailable",
+            "status": "True",
+            "reason": "MetricsAvailable",
+            "lastTransitionTime": iso(T0),
+        }
+    )
+    kube = FakeKube(b, 2, [])
+
+    async def reconcile(_: Mapping[str, Any]) -> None:
+        raise AssertionError("must not re-render")
+
+    async def main() -> None:
+        ctl = AutoscaleController(kube, reconcile, clock=lambda: T0)
+        assert await ctl.tick("llm", "tiny") is None
+        assert await ctl.tick("llm", "tiny") is None  # nothing stale any more: no second write
+
+    asyncio.run(main())
+    assert len(kube.patches) == 1
+    status = kube.body["status"]
+    assert (
+        "autoscaler" not in status["pools"]["unified"] and status["pools"]["unified"]["desiredReplicas"] == 2
+    )
+    assert [c["type"] for c in status["conditions"]] == ["Ready"]
+    # Rendering no longer sees an override.
+    assert replica_overrides(status) == {}

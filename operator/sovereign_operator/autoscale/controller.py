@@ -159,6 +159,20 @@ def restore_state(previous: Mapping[str, Any] | None, replicas: PoolReplicas, no
     return state
 
 
+def stale_status_patch(status: Mapping[str, Any], autoscaled: set[str]) -> dict[str, Any] | None:
+    """A merge patch removing autoscaler blocks of pools that are no longer autoscaled, and the
+    MetricsAvailable condition when nothing is; None when there is nothing stale."""
+    patch: dict[str, Any] = {}
+    pools = status.get("pools") or {}
+    stale = [c for c, p in pools.items() if c not in autoscaled and (p or {}).get("autoscaler") is not None]
+    if stale:
+        patch["pools"] = {c: {"autoscaler": None} for c in stale}
+    conditions = status.get("conditions") or []
+    if not autoscaled and any(c.get("type") == METRICS_AVAILABLE for c in conditions):
+        patch["conditions"] = [c for c in conditions if c.get("type") != METRICS_AVAILABLE]
+    return patch or None
+
+
 def _pods_of(pods: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
     return [p for p in pods if (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == component]
 
@@ -263,6 +277,10 @@ class AutoscaleController:
             return None  # the reconciler reports it; nothing to scale
         status = live.get("status") or {}
         bounds = autoscaled_pools(spec, status.get("mode"))
+        leftovers = stale_status_patch(status, set(bounds))
+        if leftovers is not None:
+            # A pool went back to fixed replicas (or the mode changed): drop what no longer holds.
+            await self.kube.patch_status(namespace, name, leftovers)
         if not bounds:
             self.forget(namespace, name)
             return None
