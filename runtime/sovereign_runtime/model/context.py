@@ -12,6 +12,7 @@ positions ``[context_len - query_len, context_len)``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,20 +42,23 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-_current: AttentionMetadata | None = None
+# Per thread: each engine runs its steps on its own thread, and several engines may share a process
+# (a prefill and a decode instance in one test, a bench driving two pools).
+_local = threading.local()
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _current is None:
+    current: AttentionMetadata | None = getattr(_local, "current", None)
+    if current is None:
         raise RuntimeError("no attention context installed: run the model through attention_context(meta)")
-    return _current
+    return current
 
 
 @contextmanager
 def attention_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    global _current
-    previous, _current = _current, meta
+    previous = getattr(_local, "current", None)
+    _local.current = meta
     try:
         yield meta
     finally:
-        _current = previous
+        _local.current = previous
