@@ -392,3 +392,27 @@ def test_operator_defaults_fill_only_what_the_spec_leaves_unset() -> None:
         == "registry.example/sovereign-runtime:1"
     )
     assert OperatorDefaults.from_environment({}) == OperatorDefaults()
+
+
+@pytest.mark.parametrize(("spec", "facts"), [(TINY_SPEC, NO_RDMA), (DEEPSEEK_SPEC, RDMA_NODES)])
+def test_pods_meet_pod_security_restricted_except_rdma_ipc_lock(
+    spec: dict[str, Any], facts: ClusterFacts
+) -> None:
+    rendered = _render(spec, facts)
+    templates = [
+        c["spec"]["template"] for c in rendered.children if c["kind"] in ("StatefulSet", "Deployment")
+    ]
+    assert templates
+    for template in templates:
+        pod = template["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["capabilities"]["drop"] == ["ALL"]
+            # Locked pages for RDMA registration are the only capability any pod adds back.
+            assert set(security["capabilities"].get("add", [])) <= {"IPC_LOCK"}
+            assert ("IPC_LOCK" in security["capabilities"].get("add", [])) == (
+                rendered.plan.kv_transport == "rdma"
+            )

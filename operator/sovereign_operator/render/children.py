@@ -234,6 +234,11 @@ def _worker_env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
     return env + [var.to_api() for var in spec.runtime.env]
 
 
+def _restricted_container_security() -> dict[str, Any]:
+    """What Pod Security's `restricted` profile asks of a container."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def _worker_pod_template(
     ref: DeploymentRef,
     spec: LLMDeploymentSpec,
@@ -278,10 +283,12 @@ def _worker_pod_template(
             }
         },
         "volumeMounts": mounts,
+        "securityContext": _restricted_container_security(),
     }
     if plan.kv_transport == "rdma":
-        # Registering memory for RDMA needs locked pages.
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+        # Registering memory for RDMA needs locked pages: the one capability such a pod keeps (the
+        # namespace then needs Pod Security `baseline`; every other pod fits `restricted`).
+        container["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
         if spec.networking.rdma.networks:
             annotations[MULTUS_ANNOTATION] = ",".join(spec.networking.rdma.networks)
 
@@ -289,7 +296,12 @@ def _worker_pod_template(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         # The runtime image runs as a non-root user; fsGroup makes a JIT-cache PVC writable to it.
-        "securityContext": {"fsGroup": RUNTIME_GID, "fsGroupChangePolicy": "OnRootMismatch"},
+        "securityContext": {
+            "fsGroup": RUNTIME_GID,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "terminationGracePeriodSeconds": spec.runtime.drain_timeout_seconds + EXIT_GRACE_SECONDS,
         "containers": [container],
         "volumes": volumes,
@@ -443,6 +455,8 @@ def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePl
         "resources": {part: _sorted(values) for part, values in sorted(resources.items()) if values},
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/health", 5, 3),
+        # The router writes nothing to disk.
+        "securityContext": {**_restricted_container_security(), "readOnlyRootFilesystem": True},
     }
     return {
         "apiVersion": "apps/v1",
@@ -454,7 +468,11 @@ def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePl
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": child_labels(ref.name, "router")},
-                "spec": {"serviceAccountName": router_name(ref.name), "containers": [container]},
+                "spec": {
+                    "serviceAccountName": router_name(ref.name),
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                },
             },
         },
     }
