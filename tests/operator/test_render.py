@@ -399,20 +399,17 @@ def test_pods_meet_pod_security_restricted_except_rdma_ipc_lock(
     spec: dict[str, Any], facts: ClusterFacts
 ) -> None:
     rendered = _render(spec, facts)
-    templates = [
-        c["spec"]["template"] for c in rendered.children if c["kind"] in ("StatefulSet", "Deployment")
-    ]
-    assert templates
-    for template in templates:
-        pod = template["spec"]
+    workloads = [c for c in rendered.children if c["kind"] in ("StatefulSet", "Deployment")]
+    assert workloads
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for container in pod["containers"]:
             security = container["securityContext"]
             assert security["allowPrivilegeEscalation"] is False
             assert security["capabilities"]["drop"] == ["ALL"]
-            # Locked pages for RDMA registration are the only capability any pod adds back.
-            assert set(security["capabilities"].get("add", [])) <= {"IPC_LOCK"}
-            assert ("IPC_LOCK" in security["capabilities"].get("add", [])) == (
-                rendered.plan.kv_transport == "rdma"
-            )
+            # Locked pages for RDMA registration are the only capability a pod adds back, and only
+            # the workers that register KV memory do.
+            wants_ipc_lock = workload["kind"] == "StatefulSet" and rendered.plan.kv_transport == "rdma"
+            assert security["capabilities"].get("add", []) == (["IPC_LOCK"] if wants_ipc_lock else [])
