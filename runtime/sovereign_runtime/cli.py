@@ -89,6 +89,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0, metavar="SECONDS")
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--kv-transport",
+        choices=("tcp", "rdma"),
+        default="tcp",
+        help="prefill->decode KV transfer: tcp, or rdma through NIXL (prefill/decode roles)",
+    )
+    p.add_argument(
+        "--kv-port", type=_port, default=8001, help="port of the decode role's KV receiver (TCP transport)"
+    )
+    p.add_argument(
+        "--kv-advertise-host",
+        metavar="HOST",
+        help="address prefill instances dial for the KV (default: $POD_IP, else --host unless 0.0.0.0)",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a remote prefill slower than this is abandoned and the decode role prefills locally",
+    )
 
 
 def resolve_model(spec: str) -> Path:
@@ -129,12 +150,21 @@ def read_api_key(api_key_file: str | None) -> str | None:
     return os.environ.get("SOVEREIGN_API_KEY") or None
 
 
+def kv_advertise_host(flag: str | None, host: str) -> str:
+    """The address a prefill instance dials: the flag, the pod IP (Kubernetes downward API), the bind
+    address, or this host's name as a last resort."""
+    import socket
+
+    if flag:
+        return flag
+    if os.environ.get("POD_IP"):
+        return os.environ["POD_IP"]
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return socket.gethostbyname(socket.gethostname())
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    if args.role != "unified":
-        raise UsageError(
-            f"serve: --role {args.role} is not implemented yet (prefill/decode disaggregation comes later); "
-            "use --role unified"
-        )
     if args.tensor_parallel_size != 1:
         raise UsageError("serve: --tensor-parallel-size > 1 is not implemented yet; use 1")
     model_path = resolve_model(args.model)
@@ -163,7 +193,27 @@ def run_serve(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         model_root=args.model,
     )
-    app = create_app(config, loader=make_loader(options))
+    from .disagg.service import DisaggConfig, DisaggService
+
+    if args.role != "unified" and args.kv_transport == "rdma":
+        try:
+            import nixl  # noqa: F401
+        except ImportError as exc:
+            raise UsageError(f"serve: --kv-transport rdma needs the NIXL library ({exc})") from None
+    disagg = DisaggService(
+        DisaggConfig(
+            role=args.role,
+            transport=args.kv_transport,
+            kv_host=args.host,
+            kv_port=args.kv_port,
+            advertise_host=kv_advertise_host(args.kv_advertise_host, args.host),
+            transfer_timeout_s=args.kv_transfer_timeout,
+            idle_timeout_s=min(10.0, args.kv_transfer_timeout),
+        ),
+        name,
+    )
+    app = create_app(config, loader=disagg.wrap_loader(make_loader(options)))
+    disagg.install(app)
     return asyncio.run(serve(app, args.host, args.port))
 
 

@@ -57,13 +57,20 @@ def test_bad_flags_exit_nonzero_with_one_line(
     assert len(lines) == 1 and needle in lines[0], err
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_disaggregated_roles_are_refused_clearly(
-    role: str, checkpoint: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--role", "decode", "--kv-transport", "quic"], "--kv-transport"),
+        (["--role", "decode", "--kv-port", "70000"], "--kv-port"),
+        (["--role", "prefill", "--kv-transfer-timeout", "0"], "--kv-transfer-timeout"),
+    ],
+)
+def test_disaggregation_flags_are_checked(
+    flags: list[str], needle: str, checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, err = _run_main(["serve", "--model", str(checkpoint), "--role", role], capsys)
+    code, err = _run_main(["serve", "--model", str(checkpoint), *flags], capsys)
     assert code == 2
-    assert len(err.strip().splitlines()) == 1 and "not implemented yet" in err and role in err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
 def test_api_key_file_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

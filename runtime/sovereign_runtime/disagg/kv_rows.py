@@ -1,0 +1,39 @@
+"""Reading and writing a sequence's latent KV rows in the paged cache (pure tensor indexing).
+
+The cache is `[layers, blocks, block_size, kv_dim]`; token position `p` of a sequence lives at block
+`block_table[p // block_size]`, offset `p % block_size`. Flattening blocks and offsets gives one slot
+index per position, the same slot mapping the attention layers write through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def slots(block_table: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Flat slot indices of positions `[start, end)`."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    table = torch.tensor(block_table, dtype=torch.int64)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def read_rows(kv_cache: torch.Tensor, block_table: list[int], start: int, end: int) -> torch.Tensor:
+    """A copy of positions `[start, end)` for every layer: `[layers, end - start, kv_dim]`."""
+    layers, blocks, block_size, dim = kv_cache.shape
+    index = slots(block_table, block_size, start, end).to(kv_cache.device)
+    return kv_cache.view(layers, blocks * block_size, dim).index_select(1, index)
+
+
+def write_rows(
+    kv_cache: torch.Tensor, block_table: list[int], layer: int, start: int, rows: torch.Tensor
+) -> None:
+    """Store `rows` (`[n, kv_dim]`) as layer `layer`'s KV for positions `[start, start + n)`."""
+    layers, blocks, block_size, dim = kv_cache.shape
+    if rows.ndim != 2 or rows.shape[1] != dim:
+        raise ValueError(f"KV rows must be [tokens, {dim}], got {list(rows.shape)}")
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} is outside [0, {layers})")
+    index = slots(block_table, block_size, start, start + rows.shape[0]).to(kv_cache.device)
+    kv_cache[layer].view(blocks * block_size, dim).index_copy_(
+        0, index, rows.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    )
