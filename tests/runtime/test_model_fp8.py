@@ -37,6 +37,10 @@ def test_dequantize_matches_blockwise_reference() -> None:
     assert s.shape == (3, 2)
     ours = dequantize_fp8_block(q, s, (128, 128), torch.float32)
     assert torch.equal(ours, reference_dequantize(q, s))
+    # Whole blocks take the broadcasting path.
+    q2, s2 = quantize_fp8_block(w[:256, :128])
+    assert torch.equal(dequantize_fp8_block(q2, s2, (128, 128), torch.float32), reference_dequantize(q2, s2))
+    assert dequantize_fp8_block(q2, s2, (128, 128), torch.bfloat16).dtype == torch.bfloat16
     # e4m3 keeps ~3 mantissa bits: within 1/16 relative of each block's scale.
     assert (
         (ours - w).abs() <= s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :130] * 448 / 16

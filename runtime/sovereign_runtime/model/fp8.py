@@ -20,6 +20,12 @@ def dequantize_fp8_block(
 ) -> torch.Tensor:
     """e4m3 weight [out, in] × one scale per block (edge blocks padded) → ``dtype``."""
     out_f, in_f = weight.shape
+    rows, cols = scale_inv.shape
+    if out_f == rows * block[0] and in_f == cols * block[1]:
+        # Whole blocks (V3's big matrices): broadcast each scale over its block instead of materialising a
+        # weight-sized scale tensor.
+        w = weight.float().view(rows, block[0], cols, block[1]) * scale_inv.float()[:, None, :, None]
+        return w.view(out_f, in_f).to(dtype)
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:out_f].repeat_interleave(block[1], 1)[:, :in_f]
     return (weight.float() * scale).to(dtype)
 
