@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -252,3 +253,85 @@ def test_prefill_endpoint_rejects_bad_requests(cluster: dict[str, Any]) -> None:
     prefill = cluster["prefill"]
     status, body = post(prefill.url + "/v1/internal/prefill", {"room": "x", "prompt_token_ids": []})
     assert status == 400 and "bad prefill request" in body["error"]["message"]
+
+
+def test_rdma_transport_through_nixl_over_ucx_tcp(checkpoint: Path, cluster: dict[str, Any]) -> None:
+    """`--kv-transport rdma`: NIXL agents on both sides; UCX limited to TCP on loopback (no RDMA device
+    here), so the code path that runs over InfiniBand/RoCE is the one exercised."""
+    pytest.importorskip("nixl", reason="NIXL is an optional dependency of the rdma transport")
+    os.environ.setdefault("UCX_TLS", "tcp")
+    unified = cluster["unified"]
+    prefill = Instance(checkpoint, "prefill", transport="rdma")
+    decode = Instance(checkpoint, "decode", transport="rdma", transfer_timeout_s=20.0)
+    try:
+        prompt = "registered memory, written remotely " * 3
+        params = {"prefill_url": prefill.url, "room": "rdmaroom1"}
+        answer = completion(decode.url, prompt, kv_transfer_params=params)
+        assert answer["choices"][0]["text"] == completion(unified.url, prompt)["choices"][0]["text"]
+        health = decode.kv_health()
+        assert health["transport"] == "rdma" and health["transfers_ok"] == 1 and health["fallbacks"] == 0
+        assert health["tokens"] == answer["usage"]["prompt_tokens"]
+        prefill.assert_no_leaks()
+        decode.assert_no_leaks()
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_decode_killed_mid_stream_ends_the_client_stream_cleanly(
+    checkpoint: Path, cluster: dict[str, Any]
+) -> None:
+    """The router streams a paired request; the decode process is SIGKILLed after the first tokens: the
+    client gets an in-band error event and [DONE] (no silent truncation, no hang), the prefill holds
+    nothing."""
+    import http.client
+    import subprocess
+    import sys
+
+    prefill = cluster["prefill"]
+    port = free_port()
+    command = [sys.executable, "-m", "sovereign_runtime", "serve", "--model", str(checkpoint), "--role", "decode",
+               "--host", "127.0.0.1", "--port", str(port), "--kv-port", str(free_port()), "--no-warmup",
+               "--num-kv-blocks", "64", "--served-model-name", MODEL]  # fmt: skip
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    front: LiveApp | None = None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "decode process did not start"
+                time.sleep(0.2)
+        router = Router(
+            RouterConfig(
+                static_members={"prefill": [prefill.url], "decode": [f"http://127.0.0.1:{port}"]},
+                health_interval_s=3600,
+                disaggregation_threshold_chars=0,
+            )
+        )
+        front = LiveApp(create_router_app(router))
+        front.run(router.check_all())
+        conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+        body = {"model": MODEL, "prompt": "keep talking " * 4, "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        conn.request(
+            "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")  # tokens flow from the decode process
+        started = time.monotonic()
+        proc.kill()
+        rest = resp.read().decode()
+        assert time.monotonic() - started < 20
+        assert '"error"' in rest and rest.rstrip().endswith("data: [DONE]"), rest[-300:]
+        assert '"finish_reason": "length"' not in rest
+        conn.close()
+        prefill.assert_no_leaks()
+    finally:
+        if front is not None:
+            front.close()
+        proc.kill()
+        proc.wait(10)
