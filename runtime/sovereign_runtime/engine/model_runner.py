@@ -53,45 +53,61 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        seq_index: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
         tables: list[list[int]] = []
         logit_rows: list[int] = []
-        for i, (seq, n, sample) in enumerate(
-            zip(batch.seqs, batch.num_new_tokens, batch.sample, strict=True)
-        ):
+        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample, strict=True):
             start = seq.num_computed_tokens
             end = start + n
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            seq_index += [i] * n
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+            else:
+                input_ids += seq.token_ids[start:end]
+                positions += range(start, end)
             query_start.append(query_start[-1] + n)
             context_lens.append(end)
             tables.append(seq.block_table)
             if sample:
                 logit_rows.append(query_start[-1] - 1)
+        num_seqs, num_tokens = len(tables), len(input_ids)
         max_blocks = max(len(t) for t in tables)
-        padded = [t + [-1] * (max_blocks - len(t)) for t in tables]
-
-        block_tables = torch.tensor(padded, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        rows = torch.tensor(seq_index, dtype=torch.int64)
-        # slot = physical block of the token's page * block_size + offset in the page.
-        slots = block_tables[rows, pos // bs].to(torch.int64) * bs + pos % bs
+        # Few host->device tensors: one int64 (ids, positions[, slots]) and one int32 (offsets, lengths,
+        # block tables); building tensors dominates the runner's per-step CPU cost for small batches.
+        flat_tables: list[int] = []
+        for t in tables:
+            flat_tables += t
+            flat_tables += [-1] * (max_blocks - len(t))
+        i32 = torch.tensor(query_start + context_lens + flat_tables, dtype=torch.int32)
+        block_tables = i32[2 * num_seqs + 1 :].view(num_seqs, max_blocks)
+        if batch.max_query_len == 1:
+            # Pure decode: the slot of each new token is cheap to compute here, one per sequence.
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+            i64 = torch.tensor(input_ids + positions + slots, dtype=torch.int64)
+            slot_mapping = i64[2 * num_tokens :]
+        else:
+            i64 = torch.tensor(input_ids + positions, dtype=torch.int64)
+            pos = i64[num_tokens:]
+            counts = torch.tensor(batch.num_new_tokens)
+            rows = torch.repeat_interleave(torch.arange(num_seqs), counts)
+            # slot = physical block of the token's page * block_size + offset in the page.
+            slot_mapping = block_tables[rows, pos // bs].to(torch.int64) * bs + pos % bs
         dev = self.device
+        if dev.type != "cpu":
+            i64, i32, slot_mapping = (t.to(dev, non_blocking=True) for t in (i64, i32, slot_mapping))
+            block_tables = i32[2 * num_seqs + 1 :].view(num_seqs, max_blocks)
         meta = AttentionMetadata(
-            positions=pos.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            max_query_len=max(batch.num_new_tokens),
+            positions=i64[num_tokens : 2 * num_tokens],
+            slot_mapping=slot_mapping,
+            query_start_loc=i32[: num_seqs + 1],
+            context_lens=i32[num_seqs + 1 : 2 * num_seqs + 1],
+            block_tables=block_tables,
+            max_query_len=batch.max_query_len,
             max_context_len=max(context_lens),
             block_size=bs,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return ids, meta, logit_rows
+        return i64[:num_tokens], meta, logit_rows
 
     # no_grad rather than inference_mode: model code may keep tensors (e.g. RoPE caches keyed on a
     # tensor's version counter) that inference tensors do not support.
@@ -103,7 +119,10 @@ class ModelRunner:
             hidden = self.model(ids, meta.positions)
         if not logit_rows:
             return SamplerOutput([], [], [])
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(logit_rows) == hidden.shape[0]:  # every token is a last token (pure decode)
+            logits = self.model.compute_logits(hidden)
+        else:
+            rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
         return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])

@@ -44,6 +44,10 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def max_query_len(self) -> int:
+        return max(self.num_new_tokens)
+
     def __len__(self) -> int:
         return len(self.seqs)
 
