@@ -5,9 +5,12 @@ Figures (printed as a Markdown table, no assertions):
   2. aggregate tokens/s with 16 concurrent streams (ours) vs HF single stream;
   3. prefix-heavy workload: median time to first token with the radix cache on vs off.
 
-Usage: nice -n 10 .venv/bin/python bench/runtime_throughput.py [--model PATH] [--threads 2]
-Without --model it uses runtime/sovereign_runtime/builtin/sovereign-tiny if present, else writes a random
-checkpoint of the same shape (tests/runtime/checkpoints.py).
+Usage: nice -n 10 .venv/bin/python bench/runtime_throughput.py [--model PATH] [--threads 1]
+Without --model it uses runtime/sovereign_runtime/builtin/sovereign-tiny if it loads, else writes a random
+checkpoint of the same shape (tests/runtime/checkpoints.py). When the model's context is shorter than
+--prefix-len, the TTFT figure uses a random checkpoint of the same shape with a long enough context.
+One thread by default: on a shared, oversubscribed host two OpenMP threads make every tiny op wait at
+barriers and both peers slow down by an order of magnitude, so the figures measure the host, not the code.
 """
 
 from __future__ import annotations
@@ -28,19 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "runtime" / "sovereign_runtime" / "builtin" / "sovereign-tiny"
 
 
-def _checkpoint(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    if (BUILTIN / "config.json").exists():
-        from sovereign_runtime.model import load_model
-
-        try:
-            load_model(BUILTIN, "cpu")
-            return BUILTIN
-        except (ValueError, OSError) as e:  # the built-in checkpoint may lag behind the loader
-            print(
-                f"built-in model does not load ({e}); using a random checkpoint of its shape", file=sys.stderr
-            )
+def _random_checkpoint(max_positions: int) -> Path:
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
     from checkpoints import write_tiny_checkpoint
 
@@ -56,9 +47,24 @@ def _checkpoint(arg: str | None) -> Path:
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        max_position_embeddings=2048,
-        yarn=True,
+        max_position_embeddings=max_positions,
     )
+
+
+def _checkpoint(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if (BUILTIN / "config.json").exists():
+        from sovereign_runtime.model import load_model
+
+        try:
+            load_model(BUILTIN, "cpu")
+            return BUILTIN
+        except (ValueError, OSError) as e:  # the built-in checkpoint may lag behind the loader
+            print(
+                f"built-in model does not load ({e}); using a random checkpoint of its shape", file=sys.stderr
+            )
+    return _random_checkpoint(2048)
 
 
 def _hf_runner(path: Path, prompt: list[int], new_tokens: int) -> Callable[[], float]:
@@ -127,7 +133,7 @@ def _ttft(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: built-in sovereign-tiny or a random one)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--prefix-len", type=int, default=1024)
@@ -141,7 +147,11 @@ def main() -> int:
     prompt = [rng.randrange(2, vocab) for _ in range(16)]
     prompts = [[rng.randrange(2, vocab) for _ in range(16)] for _ in range(args.streams)]
     new_tokens = min(args.new_tokens, max_pos - 16)
-    prefix_len = min(args.prefix_len, max_pos - 16)
+    ttft_path, ttft_vocab, prefix_len = path, vocab, args.prefix_len
+    if max_pos < prefix_len + 16:
+        # The model's context is shorter than the prefix: measure TTFT on a random model of its shape.
+        ttft_path, ttft_vocab = _random_checkpoint(prefix_len + 64), 512
+        print(f"TTFT on {ttft_path} (context {max_pos} of {path} < prefix {prefix_len})", file=sys.stderr)
 
     runners = {
         "hf": _hf_runner(path, prompt, new_tokens),
@@ -154,11 +164,13 @@ def main() -> int:
         for name, run in runners.items():
             best[name] = max(best[name], run())
     hf, ours1, oursn = best["hf"], best["ours1"], best["oursn"]
-    prefix = [rng.randrange(2, vocab) for _ in range(prefix_len - 8)]
-    ttft_on = _ttft(path, True, prefix, vocab, random.Random(1))
-    ttft_off = _ttft(path, False, prefix, vocab, random.Random(1))
+    prefix = [rng.randrange(2, ttft_vocab) for _ in range(prefix_len - 8)]
+    ttft_on = _ttft(ttft_path, True, prefix, ttft_vocab, random.Random(1))
+    ttft_off = _ttft(ttft_path, False, prefix, ttft_vocab, random.Random(1))
 
-    print(f"checkpoint: {path}  threads: {args.threads}  torch {torch.__version__}")
+    print(
+        f"checkpoint: {path}  TTFT checkpoint: {ttft_path}  threads: {args.threads}  torch {torch.__version__}"
+    )
     print("| figure | ours | peer | ratio |")
     print("| --- | --- | --- | --- |")
     print(f"| single-stream decode, tokens/s | {ours1:.1f} | HF generate {hf:.1f} | {ours1 / hf:.2f}× |")
