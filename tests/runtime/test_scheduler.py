@@ -183,3 +183,21 @@ def test_random_request_cancel_finish_sequences(seed: int) -> None:
     if caching:
         s.cache.reset()
         assert s.pool.num_free == s.pool.num_blocks
+
+
+def test_prompt_pages_are_shared_while_the_first_request_still_runs() -> None:
+    s = _sched(max_num_batched_tokens=8)
+    shared = list(range(1, 17))  # 16 tokens = 4 full pages
+    s.add(_seq("a", [*shared, 50], max_tokens=20))
+    s.add(_seq("b", [*shared, 60], max_tokens=20))
+    b1 = _step(s)
+    assert [q.request_id for q in b1.seqs] == ["a"]  # the budget went to a's first chunk
+    _step(s)  # a's second chunk: its 4 prompt pages are now in the cache, locked by a
+    assert s.cache.num_cached_blocks == 4 and s.cache.num_evictable_blocks == 0
+    b3 = _step(s)
+    seqs = {q.request_id: q for q in b3.seqs}
+    assert seqs["b"].num_cached_tokens == 16  # reused while a is still running
+    assert b3.num_new_tokens == [1, 1]
+    while s.has_work:
+        _step(s)
+    assert s.cache.num_evictable_blocks == s.cache.num_cached_blocks

@@ -7,6 +7,8 @@ admitted only when blocks for its next chunk exist (free, or cached pages that c
 otherwise it waits. When a running sequence needs a block and none is left, the youngest running
 sequence is preempted: its computed full pages go into the prefix cache, its blocks are released and it
 re-enters the queue front to be recomputed (cheaply, through the cache, if its pages survived).
+Prompt pages are published to the prefix cache as soon as they are computed (not only when a request
+finishes), so concurrent requests sharing a long system prompt reuse it from the next step on.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += n
+            if self.cache is not None and seq.num_computed_tokens - n < seq.num_prompt_tokens:
+                self._cache_prompt_pages(seq)
             if token is None:
                 continue
             seq.token_ids.append(token)
@@ -299,6 +303,24 @@ class Scheduler:
             seq.cache_node = node
             seq.block_table = list(blocks)
             seq.num_computed_tokens = len(blocks) * self.block_size
+
+    def _cache_prompt_pages(self, seq: Sequence) -> None:
+        """Publish the prompt pages computed so far, so requests admitted later reuse them at once.
+
+        The sequence keeps its blocks and moves its lock down to the node that ends at its last full
+        page, so its own pages (now also the tree's) stay unevictable while it runs.
+        """
+        assert self.cache is not None
+        pages = seq.num_computed_tokens // self.block_size
+        if pages == 0:
+            return
+        tokens = seq.token_ids[: pages * self.block_size]
+        self.cache.insert(tokens, seq.block_table[:pages])
+        node, _ = self.cache.match_prefix(tokens)
+        self.cache.lock(node)
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+        seq.cache_node = node
 
     def _release(self, seq: Sequence, cache_pages: bool) -> None:
         if self.cache is not None and cache_pages:
