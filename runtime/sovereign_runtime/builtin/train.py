@@ -291,9 +291,25 @@ def save_checkpoint(out: Path, model: DeepseekV3ForCausalLM, mtp: MTPLayer) -> N
     tok.save_tokenizer_files(out, model_max_length=MAX_POSITIONS)
 
 
+def evaluate(checkpoint: Path, n: int, seed: int) -> int:
+    """Score a saved checkpoint exactly as users load it: ``from_pretrained`` plus its chat template."""
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint)
+    hf_tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    start = time.time()
+    acc = greedy_accuracy(model, hf_tokenizer, tasks.make_questions(n, seed=seed))
+    summary = {
+        "checkpoint": str(checkpoint),
+        "heldout_questions": n,
+        "eval_seed": seed,
+        "greedy_accuracy": acc,
+    }
+    print(json.dumps(summary | {"eval_seconds": round(time.time() - start, 1)}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    parser.add_argument("--out", type=Path, help="checkpoint folder to write (required unless --evaluate)")
     parser.add_argument("--steps", type=int, default=1400)
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -311,9 +327,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="every N steps: save to --out and score 64 held-out questions",
     )
+    parser.add_argument(
+        "--evaluate",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="do not train: load CHECKPOINT with HF transformers and print its held-out greedy accuracy",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.evaluate is not None:
+        return evaluate(args.evaluate, args.eval_n, args.eval_seed)
+    if args.out is None:
+        parser.error("--out DIR is required (or --evaluate CHECKPOINT)")
     random.seed(args.seed)
     rng = random.Random(args.seed)
     tokenizer = tok.build_tokenizer()
