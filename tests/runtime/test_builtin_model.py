@@ -213,7 +213,7 @@ def test_mtp_layer_predicts_the_token_after_next(
         target = ids[0, prompt_len + 1 :]
         hits += int((predicted == target).sum())
         total += target.numel()
-    assert hits / total >= 0.8
+    assert hits / total >= 0.95
 
 
 def test_training_step_routes_gradients_and_balances_router_bias() -> None:

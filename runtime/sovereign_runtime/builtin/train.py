@@ -262,6 +262,9 @@ def mtp_state_from_checkpoint(state: dict[str, torch.Tensor], num_experts: int) 
 def load_mtp_layer(checkpoint: Path) -> tuple[MTPLayer, torch.Tensor, torch.Tensor]:
     """The checkpoint's MTP layer as an ``MTPLayer`` plus its own embedding and head weights."""
     config = DeepseekV3Config.from_pretrained(checkpoint)
+    # A standalone module gets no dispatch from from_pretrained: pick the implementations HF would.
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "grouped_mm"
     prefix = f"model.layers.{config.num_hidden_layers}."
     tensors = load_file(str(Path(checkpoint) / "model.safetensors"))
     state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
