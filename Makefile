@@ -33,8 +33,10 @@ unit: venv
 test: venv lint tools
 	$(BIN)/pytest
 
+# The chart ships the same file (a test checks they are equal).
 crd: venv
 	$(BIN)/sovereign-operator crd > crds/sovereign.ai_llmdeployments.yaml
+	cp crds/sovereign.ai_llmdeployments.yaml charts/sovereign/crds/
 
 # Go-built control-plane binaries in e2e/cluster/bin (rebuilt only when the pins change).
 tools:
