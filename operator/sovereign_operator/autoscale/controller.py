@@ -283,6 +283,8 @@ class AutoscaleController:
             await self.kube.patch_status(namespace, name, leftovers)
         if not bounds:
             self.forget(namespace, name)
+            # Remember the round so the timer does not re-read this object every few seconds.
+            self._memory[(namespace, name)] = _Memory(last_tick=self.clock())
             return None
         config = autoscaler_config(spec)
         if not force and not self.due(namespace, name, config.interval_s):

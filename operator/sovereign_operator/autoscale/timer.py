@@ -48,9 +48,15 @@ def controller() -> AutoscaleController | None:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_SECONDS, initial_delay=TICK_SECONDS)
-async def autoscale(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+async def autoscale(
+    name: str, namespace: str, spec: Mapping[str, Any], logger: logging.Logger, **_: Any
+) -> None:
     ctl = controller()
     if ctl is None:
+        return
+    # Skip the apiserver read between rounds; the watched spec is enough to know the interval.
+    interval = ((spec or {}).get("autoscaling") or {}).get("intervalSeconds", 30)
+    if not ctl.due(namespace, name, float(interval)):
         return
     try:
         await ctl.tick(namespace, name)
