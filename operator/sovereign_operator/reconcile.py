@@ -152,6 +152,14 @@ class Reconciler:
             return outcome
 
         status = body.get("status")
+        try:
+            live = await self.kube.get_deployment(*key)
+        except Exception as error:
+            raise self._classify(error, "reading the deployment", retry) from error
+        if live is not None and int(live["metadata"].get("generation") or 1) == generation:
+            # The body can predate the autoscaler's latest decision; rendering from it would put an
+            # old replica count back on the StatefulSets until the next tick.
+            status = live.get("status") or status
         decided = sticky_plan(status, generation)
         facts = ClusterFacts()
         if decided is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any
 
 import pytest
@@ -117,6 +118,22 @@ def test_api_errors_retry_with_backoff_or_degrade(code: int, retried: bool) -> N
 def test_backoff_grows_and_is_capped() -> None:
     delays = [backoff_seconds(retry) for retry in range(10)]
     assert delays == sorted(delays) and delays[0] >= 1 and delays[-1] == 300
+
+
+def test_a_stale_event_body_does_not_undo_the_autoscalers_latest_decision() -> None:
+    spec = with_changes(DEEPSEEK_SPEC, decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 4}})
+    kube = FakeKube(body_for(spec))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        stale = copy.deepcopy(kube.body)  # what a watch event carried before the decision
+        kube.body["status"]["pools"]["decode"]["autoscaler"] = {"desiredReplicas": 3}
+        await reconciler.reconcile(copy.deepcopy(kube.body))
+        await reconciler.reconcile(stale)
+        assert kube.children[("StatefulSet", "llm-decode")]["spec"]["replicas"] == 3
+
+    asyncio.run(scenario())
 
 
 def test_autoscaler_decision_in_status_becomes_replicas() -> None:
