@@ -118,8 +118,8 @@ def plan_num_blocks(
 
     Precedence: an explicit ``num_kv_blocks``; an explicit ``kv_cache_gib``; otherwise a fraction of the
     free memory (``torch.cuda.mem_get_info`` on GPU, after weights are loaded, default 0.9 of what is
-    free; MemAvailable on CPU, default 0.25 because the host also runs everything else). On CPU the
-    result is capped at ``max_useful_blocks`` so a tiny model does not pin gigabytes of RAM.
+    free; MemAvailable on CPU, default 0.25 because the host also runs everything else), capped at
+    ``max_useful_blocks`` so a tiny model does not pin a whole device's memory (or gigabytes of RAM).
     """
     if num_kv_blocks is not None:
         if num_kv_blocks < 1:
@@ -136,7 +136,7 @@ def plan_num_blocks(
             budget = int(free * (memory_fraction if memory_fraction is not None else 0.9))
         else:
             budget = int(available_host_memory() * (memory_fraction if memory_fraction is not None else 0.25))
-        if max_useful_blocks is not None and dev.type != "cuda":
+        if max_useful_blocks is not None:
             budget = min(budget, max_useful_blocks * layout.bytes_per_block)
     n = budget // layout.bytes_per_block
     if n < 1:
