@@ -97,6 +97,8 @@ class OperatorProcess:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Namespace patterns to watch (kopf globs); empty watches the whole cluster.
+    namespaces: tuple[str, ...] = ()
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
@@ -107,7 +109,14 @@ class OperatorProcess:
         log.write(f"\n===== start #{self.starts} =====\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [str(OPERATOR_CLI), "run"],
+            # No health port: several operators (sessions, engineers) share one machine.
+            [
+                str(OPERATOR_CLI),
+                "run",
+                "--health-port",
+                "0",
+                *(f"--namespace={ns}" for ns in self.namespaces),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -169,9 +178,15 @@ def set_rdma(kube: Kubectl, on: bool) -> None:
         kube.run("patch", "node", name, "--subresource=status", "--type=merge", "-p", patch)
 
 
+def local_kubeconfig() -> Path:
+    """The kubeconfig cluster.sh writes for SOVEREIGN_CLUSTER (default: the cluster "sovereign")."""
+    name = os.environ.get("SOVEREIGN_CLUSTER", "sovereign")
+    return REPO / ".cluster" / ("kubeconfig" if name == "sovereign" else f"kubeconfig-{name}")
+
+
 def audit_log_path(kube: Kubectl) -> Path | None:
     """The local cluster's audit log of writes, when the tests run on the local cluster."""
-    if kube.kubeconfig.resolve() != (REPO / ".cluster" / "kubeconfig").resolve():
+    if kube.kubeconfig.resolve() != local_kubeconfig().resolve():
         return None
     path = Path(subprocess.run([str(CLUSTER_SH), "audit-log"], capture_output=True, text=True).stdout.strip())
     return path if path.exists() else None

@@ -23,12 +23,16 @@ import pytest
 from cluster_helpers import (
     CLUSTER_SH,
     CRD_DIR,
-    REPO,
     Kubectl,
     OperatorProcess,
+    local_kubeconfig,
     make_operator_kubeconfig,
     reachable,
 )
+
+# Every namespace of this session starts with this prefix and the session's operator watches only
+# those, so two sessions on one cluster (CI retries, engineers sharing .cluster) never fight.
+SESSION_PREFIX = f"t{secrets.token_hex(2)}-"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,13 +45,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def kube() -> Kubectl:
-    """The cluster: the one KUBECONFIG names if it answers, else the local one (started if needed)."""
+    """The cluster: the one KUBECONFIG names if it answers, else the local one (started if needed).
+
+    SOVEREIGN_CLUSTER=name selects a separate local cluster (e.g. one per engineer on a shared box).
+    """
     named = os.environ.get("KUBECONFIG")
     if named and reachable(Path(named)):
         kubectl = Kubectl(Path(named))
     else:
         subprocess.run([str(CLUSTER_SH), "up"], check=True, timeout=3600)
-        kubectl = Kubectl(REPO / ".cluster" / "kubeconfig")
+        kubectl = Kubectl(local_kubeconfig())
     # Large CRDs exceed the client-side apply annotation limit: apply server-side.
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
     kubectl.run("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
@@ -61,7 +68,7 @@ def fresh_namespace(kube: Kubectl, label: str) -> Iterator[str]:
     Waiting matters: the fake GPU nodes are few, and the next test needs their GPUs free.
     """
     base = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:40].strip("-")
-    name = f"t-{base}-{secrets.token_hex(3)}"
+    name = f"{SESSION_PREFIX}{base}-{secrets.token_hex(3)}"
     kube.run("create", "namespace", name)
     try:
         yield name
@@ -95,7 +102,9 @@ def operator(
 ) -> Iterator[OperatorProcess]:
     """The operator, running for the whole session under its least-privilege identity."""
     log_path = tmp_path_factory.mktemp("operator-log") / "operator.log"
-    op = OperatorProcess(kubeconfig=operator_kubeconfig, log_path=log_path)
+    op = OperatorProcess(
+        kubeconfig=operator_kubeconfig, log_path=log_path, namespaces=(f"{SESSION_PREFIX}*",)
+    )
     op.start()
     time.sleep(1.0)
     op.assert_alive()
