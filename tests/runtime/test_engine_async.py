@@ -141,3 +141,30 @@ def test_stats_show_waiting_requests_under_admission_control() -> None:
     finally:
         eng.shutdown()
     assert max_waiting >= 1
+
+
+def test_a_model_error_fails_the_requests_in_flight_and_the_engine_recovers() -> None:
+    class Flaky(ToyPagedModel):
+        fail = True
+
+        def forward(self, input_ids, positions):  # type: ignore[no-untyped-def]
+            if self.fail:
+                raise RuntimeError("boom")
+            return super().forward(input_ids, positions)
+
+    model = Flaky()
+    eng = _async_engine(model)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> list[int]:
+        return [t async for o in eng.generate([1, 2, 3], params) for t in o.new_token_ids]
+
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            asyncio.run(run())
+        st = eng.stats()
+        assert st.num_requests_running == 0 and st.kv_cache_usage == 0.0
+        model.fail = False
+        assert asyncio.run(run()) == model.reference_greedy([1, 2, 3], 3, eos=None)
+    finally:
+        eng.shutdown()

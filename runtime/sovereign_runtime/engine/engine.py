@@ -505,7 +505,9 @@ class AsyncEngine:
         self._fail_all(RuntimeError("engine is shut down"))
 
     def _fail_all(self, error: BaseException) -> None:
-        for rid in list(self.engine.scheduler.requests):
+        failed = list(self.engine.scheduler.requests)
+        for rid in failed:
             self.engine.abort(rid)
+        self._stats = self.engine.stats()  # before the callers hear of it, as after a step
+        for rid in failed:
             self._deliver(rid, error)
-        self._stats = self.engine.stats()
