@@ -103,6 +103,10 @@ def test_mode_and_transport(
         container = _container(_one(rendered, "StatefulSet", f"llm-{pool}"))
         assert _arg(container, "--role") == pool
         assert _arg(container, "--kv-transport") == transport
+        # The decode role's KV receiver listens on 8001 (`serve --kv-port` default), advertised by POD_IP.
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == ({"http": 8000, "kv": 8001} if pool == "decode" else {"http": 8000})
+        assert any(e["name"] == "POD_IP" for e in container["env"])
         resources = container["resources"]
         has_rdma = RDMA in resources.get("requests", {})
         assert has_rdma == (transport == "rdma")

@@ -30,6 +30,8 @@ from sovereign_operator.render.plan import (
 )
 
 RUNTIME_PORT = 8000
+# The decode role's KV receiver (`serve --kv-port`, default 8001); prefill instances dial the pod IP.
+KV_PORT = 8001
 MODEL_MOUNT = "/models"
 JIT_CACHE_MOUNT = "/var/cache/sovereign/jit"
 MANAGED_BY = "sovereign-operator"
@@ -268,7 +270,8 @@ def _worker_pod_template(
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["sovereign-runtime"],
         "args": _runtime_args(spec, component, plan, model_arg),
-        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}]
+        + ([{"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}] if component == "decode" else []),
         "env": _worker_env(spec),
         "envFrom": [{"configMapRef": {"name": config_name(ref.name)}}],
         "resources": _worker_resources(spec, pool, plan),
