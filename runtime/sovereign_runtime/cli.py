@@ -89,6 +89,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0, metavar="SECONDS")
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--speculative-algorithm", choices=("mtp",), help="speculative decoding (not yet used)")
+    p.add_argument("--speculative-num-draft-tokens", type=_positive_int, metavar="N")
     p.add_argument(
         "--kv-transport",
         choices=("tcp", "rdma"),
@@ -170,6 +172,12 @@ def run_serve(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     api_key = read_api_key(args.api_key_file)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.speculative_algorithm:
+        # Speculation never changes what is generated, only how fast: serving without it is correct.
+        logging.getLogger("sovereign_runtime").warning(
+            "--speculative-algorithm %s is not implemented yet; decoding one token per step",
+            args.speculative_algorithm,
+        )
 
     from .server import ServerConfig, create_app, serve
     from .server.loading import EngineOptions, make_loader

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from server_support import byte_tokenizer_checkpoint, free_port
-from sovereign_runtime.cli import main
+from sovereign_runtime.cli import main, resolve_model
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,12 @@ def test_disaggregation_flags_are_checked(
     assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
+def test_builtin_model_resolves_through_the_builtin_package() -> None:
+    from sovereign_runtime.builtin import resolve_builtin
+
+    assert resolve_model("builtin:sovereign-tiny") == resolve_builtin("sovereign-tiny")
+
+
 def test_api_key_file_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _run_main(
         ["serve", "--model", str(checkpoint), "--api-key-file", str(tmp_path / "none")], capsys
@@ -105,6 +111,8 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
         "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "128",
         "--num-kv-blocks", "32", "--max-num-seqs", "4", "--api-key-file", str(key),
+        # Passed by the DeepSeek-V3 example; accepted with a warning until speculation lands.
+        "--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     env.pop("SOVEREIGN_API_KEY", None)
@@ -139,6 +147,7 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out
         assert "drained" in out
+        assert "--speculative-algorithm mtp is not implemented yet" in out
     finally:
         if proc.poll() is None:
             proc.kill()
