@@ -267,6 +267,7 @@ COMP = "/v1/completions"
         (CHAT, chat_body(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
         (CHAT, chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
         (CHAT, chat_body(max_tokens=MAX_LEN - 5), 400, "max_tokens"),  # prompt + max_tokens > context
+        (CHAT, chat_body(max_completion_tokens=MAX_LEN - 5), 400, "max_completion_tokens"),
         (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
         (CHAT, {"model": MODEL}, 400, "messages"),
         (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),

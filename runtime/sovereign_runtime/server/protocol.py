@@ -45,6 +45,7 @@ class SamplingRequest:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -136,7 +137,7 @@ def _parse_sampling(body: dict[str, Any], max_model_len: int, chat: bool) -> Sam
                 name, f"'{name}' is {value}, more than this model's context length of {max_model_len} tokens"
             )
         if s.max_tokens is None:
-            s.max_tokens = value
+            s.max_tokens, s.max_tokens_param = value, name
     s.seed = _get_int(body, "seed", lo=0, hi=2**63 - 1)
     s.min_tokens = _get_int(body, "min_tokens", lo=0) or 0
     stop = body.get("stop")
@@ -314,9 +315,9 @@ def resolve_max_tokens(
     if prompt_len + sampling.max_tokens > max_model_len:
         raise APIError(
             f"this model's context length is {max_model_len} tokens; the prompt has {prompt_len} and "
-            f"max_tokens asks for {sampling.max_tokens} more ({prompt_len + sampling.max_tokens}); "
-            "shorten the prompt or lower max_tokens",
-            param="max_tokens",
+            f"{sampling.max_tokens_param} asks for {sampling.max_tokens} more ({prompt_len + sampling.max_tokens}); "
+            f"shorten the prompt or lower {sampling.max_tokens_param}",
+            param=sampling.max_tokens_param,
             code="context_length_exceeded",
         )
     return sampling.max_tokens
