@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,6 @@ from typing import Any
 import pytest
 import yaml
 from disagg_support import Instance
-from server_support import free_port
 from sovereign_runtime.builtin import resolve_builtin
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
 
@@ -74,6 +74,16 @@ def _localize(args: list[str], port: int) -> list[str]:
     return out
 
 
+def _distinct_free_ports(n: int) -> list[int]:
+    """n ports free right now and different from each other (all held open while they are picked)."""
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    try:
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _get(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -87,7 +97,9 @@ def _get(url: str) -> int:
 def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 240.0) -> None:
     deadline = time.monotonic() + timeout_s
     while _get(url) != 200:
-        assert proc.poll() is None, f"process exited with {proc.returncode} before {url} answered"
+        if proc.poll() is not None:
+            log = Path(getattr(proc, "log_path", "")).read_text(errors="replace")[-2000:]
+            raise AssertionError(f"{proc.args} exited with {proc.returncode} before {url} answered:\n{log}")
         assert time.monotonic() < deadline, f"{url} not 200 within {timeout_s:g} s"
         time.sleep(0.25)
 
@@ -104,9 +116,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         command = [str(BIN / container["command"][0]), *container["command"][1:], *args]
         log = (logs / f"{name}.log").open("wb")
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc.log_path = str(logs / f"{name}.log")  # type: ignore[attr-defined]
         procs.append(proc)
         return proc
 
+    ports = iter(_distinct_free_ports(6))
     try:
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
         probes: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -114,9 +128,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
             sts = objs[f"StatefulSet/tiny-{role}"]
             c = _container(sts)
             for i in range(count):
-                port = free_port()
+                port = next(ports)
                 # Two decode pods share this host: each gets its own KV port (8001 in the pod).
-                extra = ["--kv-port", str(free_port())] if role == "decode" else []
+                extra = ["--kv-port", str(next(ports))] if role == "decode" else []
                 proc = start(
                     c, _localize(c["args"], port) + extra, _env(c, f"tiny-{role}-{i}"), f"{role}-{i}"
                 )
@@ -133,7 +147,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         for flag in ("--namespace", "--prefill-service", "--decode-service"):  # cluster discovery -> static
             i = args.index(flag)
             del args[i : i + 2]
-        rport = free_port()
+        rport = next(ports)
         args = [*_localize(args, rport), "--prefill", *workers["prefill"], "--decode", *workers["decode"]]
         rproc = start(router, args, _env(router, "tiny-router"), "router")
         rurl = f"http://127.0.0.1:{rport}"
