@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import re
 import threading
@@ -136,8 +137,15 @@ class _Health:
 class _Exporter:
     """The prefill side's KV-export hook for one request (runs on the engine thread)."""
 
-    def __init__(self, stream: KVStream, kv_cache: torch.Tensor, num_cached: int, num_prompt: int) -> None:
-        self.stream, self.kv_cache = stream, kv_cache
+    def __init__(
+        self,
+        stream: KVStream,
+        kv_cache: torch.Tensor,
+        num_cached: int,
+        num_prompt: int,
+        on_error: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.stream, self.kv_cache, self.on_error = stream, kv_cache, on_error
         self.num_cached, self.num_prompt = num_cached, num_prompt
         self.sent = num_cached  # rows below this position are on their way (or the decode has them)
         self.bytes = 0
@@ -153,6 +161,7 @@ class _Exporter:
                 self.stream.send_layer(layer, self.sent - self.num_cached, rows[layer])
         except Exception as exc:
             self.error = f"{exc.__class__.__name__}: {exc}"
+            self.on_error()  # the decode is gone: stop computing the rest of the prompt
             raise
         self.bytes += rows.numel() * rows.element_size()
         self.sent = end
@@ -361,7 +370,9 @@ class DisaggService:
             return _error(502, f"cannot open the KV stream to the decode instance: {exc}")
         rid = f"prefill-{room}"
         cache = self.engine.engine.runner.kv_cache
-        exporter = _Exporter(stream, cache, num_cached, len(prompt))
+        exporter = _Exporter(
+            stream, cache, num_cached, len(prompt), functools.partial(self.engine.abort, rid)
+        )
         hooks = self.engine.engine.kv_export_hooks
         hooks[rid] = exporter
         try:
