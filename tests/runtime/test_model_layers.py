@@ -232,7 +232,7 @@ def test_cache_holds_normalised_latent_then_rotated_k_pe(tiny_checkpoint: Path) 
     attn = model.model.layers[0].self_attn
     x = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([5, 6, 7])))
     cos, sin = attn.rotary.cos_sin(torch.arange(3))
-    expected = attn._latents(x, cos, sin)
+    expected = attn._project(x, cos, sin)[2]
     slots = [runner._blocks[sid][0] * 16 + i for i in range(3)]
     got = runner.cache[0].view(-1, config.kv_cache_dim)[slots]
     torch.testing.assert_close(got, expected)

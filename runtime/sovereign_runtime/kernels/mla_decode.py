@@ -16,7 +16,51 @@ import os
 
 import torch
 
-__all__ = ["default_num_splits", "mla_decode", "mla_decode_reference", "mla_decode_triton"]
+__all__ = [
+    "context_slots",
+    "default_num_splits",
+    "mla_decode",
+    "mla_decode_gathered",
+    "mla_decode_reference",
+    "mla_decode_triton",
+]
+
+
+def context_slots(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cache slot of every context position [batch, max_len] and the validity mask [batch, max_len].
+
+    Slots of padding blocks clamp to 0 and must be masked; the mask is None when every sequence has
+    max_len tokens (single-stream decode). The slots are the same for every layer of a step, so callers
+    that run many layers compute them once (``AttentionMetadata.memo``).
+    """
+    batch = block_tables.shape[0]
+    lens = context_lens.tolist()  # one host sync for both the max and the min
+    max_len = max(lens)
+    num_blocks = (max_len + block_size - 1) // block_size
+    offsets = torch.arange(block_size, device=block_tables.device)
+    tables = block_tables[:, :num_blocks].long().clamp(min=0) * block_size
+    slots = (tables[:, :, None] + offsets).reshape(batch, -1)[:, :max_len]
+    if min(lens) == max_len:
+        return slots, None
+    valid = torch.arange(max_len, device=slots.device)[None, :] < context_lens[:, None].to(slots.device)
+    return slots, valid
+
+
+def mla_decode_gathered(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor | None, scale: float, kv_lora_rank: int
+) -> torch.Tensor:
+    """The reference's attention over already-gathered rows: q [batch, heads, D], kv [batch, L, D].
+
+    ``valid`` [batch, L] masks padding positions (None: all valid). Returns o_lat in q's dtype.
+    """
+    kv = kv.float()
+    scores = torch.bmm(q.float(), kv.transpose(1, 2)) * scale  # [batch, heads, L]
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, kv[..., :kv_lora_rank]).to(q.dtype)
 
 
 def mla_decode_reference(
@@ -35,22 +79,10 @@ def mla_decode_reference(
     Returns o_lat [batch, heads, kv_lora_rank] in q's dtype. ``num_splits`` is accepted for signature parity.
     """
     del num_splits
-    batch = q.shape[0]
-    block_size = kv_cache.shape[1]
-    max_len = int(context_lens.max().item())
-    num_blocks = (max_len + block_size - 1) // block_size
-    # Cache slot of every context position: block id × block_size + offset (padding blocks clamp to 0 and
-    # are masked below). bmm rather than einsum: this runs once per layer per decode step.
-    offsets = torch.arange(block_size, device=q.device)
-    tables = block_tables[:, :num_blocks].long().clamp(min=0) * block_size
-    slots = (tables[:, :, None] + offsets).reshape(batch, -1)[:, :max_len]
-    kv = kv_cache.reshape(-1, kv_cache.shape[-1])[slots.reshape(-1)].reshape(batch, max_len, -1).float()
-    scores = torch.bmm(q.float(), kv.transpose(1, 2)) * scale  # [batch, heads, max_len]
-    if int(context_lens.min().item()) < max_len:
-        valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs, kv[..., :kv_lora_rank]).to(q.dtype)
+    slots, valid = context_slots(block_tables, context_lens, kv_cache.shape[1])
+    slots = slots.to(q.device)
+    kv = kv_cache.reshape(-1, kv_cache.shape[-1])[slots.reshape(-1)].view(*slots.shape, -1)
+    return mla_decode_gathered(q, kv, None if valid is None else valid.to(q.device), scale, kv_lora_rank)
 
 
 def default_num_splits(batch: int, heads: int, max_context_len: int, block_n: int = 64) -> int:

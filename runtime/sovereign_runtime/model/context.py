@@ -13,9 +13,10 @@ positions ``[context_len - query_len, context_len)``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,17 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
+    # Values derived from the metadata that every layer of the step would otherwise recompute (e.g. the
+    # decode gather slots); filled lazily by ``memo``, private to the step.
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` once per step for ``key``; later layers get the same value."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = build()
+            return value
 
     @property
     def batch_size(self) -> int:

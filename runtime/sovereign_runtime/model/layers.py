@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.mla_decode import mla_decode
+from ..kernels.mla_decode import context_slots, mla_decode, mla_decode_gathered
 from .config import ModelConfig
 from .context import AttentionMetadata, get_attention_metadata
 from .fp8 import dense_weight
@@ -21,6 +21,13 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+def _apply(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` without ``nn.Module.__call__``'s hook bookkeeping for plain linears (hot decode path)."""
+    if type(linear) is nn.Linear:
+        return F.linear(x, linear.weight)
+    return linear(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -28,6 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # fp32: no casts, and the weight multiplies inside the fused call (the same products).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 and scale after casting back, as the reference implementation does.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -42,7 +52,7 @@ class MLP(nn.Module):
         self.down_proj = _linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _apply(self.down_proj, F.silu(_apply(self.gate_proj, x)) * _apply(self.up_proj, x))
 
 
 def grouped_topk(
@@ -69,9 +79,8 @@ def grouped_topk(
         grouped = choice.view(tokens, n_group, experts // n_group)
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
         keep = group_scores.topk(topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        expert_mask = group_mask[:, :, None].expand(-1, -1, experts // n_group).reshape(tokens, experts)
-        choice = choice.masked_fill(~expert_mask, mask_value)
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        choice = grouped.masked_fill(dropped[:, :, None], mask_value).view(tokens, experts)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:
@@ -123,6 +132,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        out = self._one_token(x, weights, ids) if x.shape[0] == 1 else self._grouped(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Single-token decode: run the chosen experts on the token directly (no sort, gather or scatter).
+
+        Sums in ascending expert order, as the grouped path's index_add does, so the result is the same.
+        """
+        chosen = ids[0].tolist()
+        out: torch.Tensor | None = None
+        for slot in sorted(range(len(chosen)), key=chosen.__getitem__):
+            # Weights stay fp32 until after the product, as in the reference.
+            y = (self.experts[chosen[slot]](x) * weights[:, slot : slot + 1]).to(x.dtype)
+            out = y if out is None else out + y
+        assert out is not None
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         # Group the (token, slot) pairs by expert and run each used expert once on its tokens.
         flat_ids = ids.reshape(-1)
@@ -139,8 +168,6 @@ class MoE(nn.Module):
             y = self.experts[expert](x[tok]) * slot_w[start : start + count, None]
             out.index_add_(0, tok, y.to(x.dtype))
             start += count
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
 
 
@@ -184,29 +211,44 @@ class MLAAttention(nn.Module):
         )
 
     # Projections -------------------------------------------------------------------------------------
-    def _queries(
+    def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_nope [T, H, nope], rotated q_pe [T, H, rope] and the cache rows [T, kv_cache_dim].
+
+        A cache row is the normalised latent c then the rotated k_pe. q_pe and k_pe rotate in one call
+        (k_pe as an extra head): RoPE is elementwise, so the values are those of two separate calls.
+        """
         c = self.config
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if c.q_lora_rank is None:
+            q = _apply(self.q_proj, x)
+        else:
+            q = _apply(self.q_b_proj, self.q_a_layernorm(_apply(self.q_a_proj, x)))
         q = q.view(x.shape[0], self.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        return q_nope, RotaryEmbedding.apply(q_pe, cos, sin)
-
-    def _latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """[tokens, kv_cache_dim]: the normalised latent c then the rotated k_pe (what the cache holds)."""
-        c = self.config
-        kv = self.kv_a_proj_with_mqa(x)
-        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(latent), RotaryEmbedding.apply(k_pe, cos, sin)], dim=-1)
+        latent, k_pe = _apply(self.kv_a_proj_with_mqa, x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        pe = RotaryEmbedding.apply(torch.cat([q_pe, k_pe[:, None]], dim=1), cos, sin)
+        return q_nope, pe[:, : self.num_heads], torch.cat([self.kv_a_layernorm(latent), pe[:, -1]], dim=-1)
 
     def _w_uk_uv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head into W_UK [H, nope, r] and W_UV [H, v, r]."""
+        """kv_b_proj split per head into W_UK [H, nope, r] and W_UV^T [H, r, v] (batched-matmul operands).
+
+        Derived once per weight version and dtype (views of a dense weight; FP8 weights are dequantised
+        per call as before, so their dense copy is never kept).
+        """
+        weight = self.kv_b_proj.weight
+        key = (id(weight), weight.data_ptr(), weight._version, dtype)
+        cached = self.__dict__.get("_absorbed")
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
         c = self.config
         w = dense_weight(self.kv_b_proj, dtype).view(
             self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
         )
-        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+        w_uk, w_uv_t = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :].transpose(1, 2)
+        if isinstance(self.kv_b_proj, nn.Linear) and w.data_ptr() == weight.data_ptr():
+            self.__dict__["_absorbed"] = (key, w_uk, w_uv_t)
+        return w_uk, w_uv_t
 
     # Forward -----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -214,27 +256,43 @@ class MLAAttention(nn.Module):
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(cache) first")
         meta = get_attention_metadata()
         cos, sin = self.rotary.cos_sin(positions)
-        q_nope, q_pe = self._queries(x, cos, sin)
-        latents = self._latents(x, cos, sin)
+        q_nope, q_pe, latents = self._project(x, cos, sin)
         cache = self.kv_cache
-        cache.view(-1, cache.shape[-1])[meta.slot_mapping] = latents.to(cache.dtype)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latents.to(cache.dtype))
 
         if meta.is_decode:
-            out = self._decode(q_nope, q_pe, meta.block_tables, meta.context_lens)
+            out = self._decode(q_nope, q_pe, meta.block_tables, meta.context_lens, meta)
         else:
             out = self._mixed(q_nope, q_pe, positions, meta)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return _apply(self.o_proj, out.reshape(x.shape[0], -1))
 
     def _decode(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """Weight-absorbed attention for one query per sequence: no per-head K or V is built."""
-        w_uk, w_uv = self._w_uk_uv(q_nope.dtype)
+        """Weight-absorbed attention for one query per sequence: no per-head K or V is built.
+
+        With ``meta`` (the whole step is decode) off CUDA, the context's cache slots are computed once per
+        step and shared by every layer, and each layer only gathers its rows and runs the reference math.
+        """
+        w_uk, w_uv_t = self._w_uk_uv(q_nope.dtype)
         # Per-head matmuls as batched products over heads ([H, T, ·]); einsum's overhead shows at decode sizes.
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         q = torch.cat([q_lat, q_pe], dim=-1)
-        o_lat = mla_decode(q, self.kv_cache, block_tables, context_lens, self.scale, self.config.kv_lora_rank)
-        return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        cache, rank = self.kv_cache, self.config.kv_lora_rank
+        if meta is not None and not q.is_cuda:
+            slots, valid = meta.memo(
+                "decode_slots", lambda: context_slots(block_tables, context_lens, cache.shape[1])
+            )
+            kv = cache.view(-1, cache.shape[-1])[slots]  # [T, L, kv_cache_dim]
+            o_lat = mla_decode_gathered(q, kv, valid, self.scale, rank)
+        else:
+            o_lat = mla_decode(q, cache, block_tables, context_lens, self.scale, rank)
+        return torch.bmm(o_lat.to(w_uv_t.dtype).transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def _mixed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -285,11 +343,11 @@ class MLAAttention(nn.Module):
         key_pos = torch.arange(ctx, device=positions.device)
         allowed = key_pos[None, :] <= positions[:, None]  # [q, L] causal by absolute position
         if self._absorb_prefill(q_nope.shape[0], ctx):
-            w_uk, w_uv = self._w_uk_uv(q_nope.dtype)
+            w_uk, w_uv_t = self._w_uk_uv(q_nope.dtype)
             q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [q, H, r+dr]
             scores = torch.einsum("thd,ld->htl", q, kv) * self.scale
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32).to(kv.dtype)
-            return torch.einsum("htr,hvr->thv", torch.einsum("htl,lr->htr", probs, latent), w_uv)
+            return torch.einsum("htr,hrv->thv", torch.einsum("htl,lr->htr", probs, latent), w_uv_t)
         kv_exp = self.kv_b_proj(latent).view(ctx, self.num_heads, -1)
         k_nope, v = kv_exp.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
