@@ -335,3 +335,23 @@ def test_decode_killed_mid_stream_ends_the_client_stream_cleanly(
             front.close()
         proc.kill()
         proc.wait(10)
+
+
+def test_client_hanging_up_during_the_transfer_frees_the_reserved_blocks(checkpoint: Path) -> None:
+    fake = _fake_prefill(_stalls_with_heartbeats)
+    decode = Instance(checkpoint, "decode", transfer_timeout_s=20.0)
+    try:
+        body = {"model": MODEL, "prompt": "wait for me " * 5, "max_tokens": 4,
+                "kv_transfer_params": {"prefill_url": fake.url, "room": "hangup1"}}  # fmt: skip
+        with pytest.raises(TimeoutError):
+            post(decode.url + "/v1/completions", body, timeout=1.0)
+        llm = decode.engine.inner.engine
+        deadline = time.monotonic() + 10
+        while llm.scheduler.reserved or llm.scheduler.requests:  # the abort reaches the engine thread
+            assert time.monotonic() < deadline, "reserved blocks were not freed after the client left"
+            time.sleep(0.05)
+        decode.assert_no_leaks()
+        assert decode.kv_health()["fallbacks"] == 0  # cancelled, not failed over
+    finally:
+        decode.close()
+        fake.close()
