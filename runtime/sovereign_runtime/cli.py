@@ -163,7 +163,10 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
         return os.environ["POD_IP"]
     if host not in ("0.0.0.0", "::", ""):
         return host
-    return socket.gethostbyname(socket.gethostname())
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:  # no resolvable hostname: only local peers can reach us anyway
+        return "127.0.0.1"
 
 
 def run_serve(args: argparse.Namespace) -> int:
