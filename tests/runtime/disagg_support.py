@@ -50,6 +50,7 @@ class Instance:
         sched.check()
         assert sched.pool.num_free + sched.cache.num_evictable_blocks == sched.pool.num_blocks
         assert not llm.kv_export_hooks
+        assert not self.service._rooms
 
     def close(self) -> None:
         self.server.close()

@@ -185,7 +185,16 @@ class DisaggEngine:
         async def fetch(slot: RemoteSlot) -> RemoteFirstToken | None:
             return await self.service.fetch(slot, kv, prompt, params)
 
-        return self.inner.generate_remote(prompt, params, fetch, request_id)
+        async def outputs() -> AsyncIterator[Any]:
+            stream = self.inner.generate_remote(prompt, params, fetch, request_id)
+            try:
+                async for out in stream:
+                    yield out
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+                self.service.release_room(kv["room"])  # also when fetch never ran (no blocks: local)
+
+        return outputs()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -271,6 +280,9 @@ class DisaggService:
         self._rooms.add(room)
         return True
 
+    def release_room(self, room: str) -> None:
+        self._rooms.discard(room)
+
     # ---- decode side -------------------------------------------------------------------------------
     async def fetch(
         self, slot: RemoteSlot, kv: dict[str, str], prompt: list[int], params: SamplingParams
@@ -327,7 +339,6 @@ class DisaggService:
             with guard:
                 is_open = False
             self.receiver.cancel(room, "request ended")  # no-op after success
-            self._rooms.discard(room)
             if call is not None and not call.done():
                 call.cancel()
         seconds = time.perf_counter() - started
