@@ -22,10 +22,20 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
 
 
 def _apply(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` without ``nn.Module.__call__``'s hook bookkeeping for plain linears (hot decode path)."""
-    if type(linear) is nn.Linear:
-        return F.linear(x, linear.weight)
-    return linear(x)
+    """``linear(x)`` for the hot decode path: a plain linear on a 2-D input is one ``mm`` with the weight's
+    transpose, kept as a view (no copy) while the weight stays the same tensor and storage. ``F.linear``
+    makes the same ``mm`` call but transposes the weight again on every call, and ``nn.Module.__call__``
+    adds its hook bookkeeping; at decode sizes both cost about as much as the product itself.
+    """
+    if type(linear) is not nn.Linear:
+        return linear(x)
+    weight = linear.weight
+    if x.dim() != 2:
+        return F.linear(x, weight)
+    cached = linear.__dict__.get("_weight_t")
+    if cached is None or cached[0] is not weight or cached[1].data_ptr() != weight.data_ptr():
+        cached = linear.__dict__["_weight_t"] = (weight, weight.t())
+    return torch.mm(x, cached[1])
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +47,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # fp32: no casts. Written out rather than F.rms_norm, whose CPU composite costs several times
-            # these five small ops at decode sizes; the arithmetic is the reference's, bit for bit.
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+            # these small ops at decode sizes; sum / n is how CPU ``mean`` computes it (same bits, without
+            # its scalar wrapping). The arithmetic is the reference's, bit for bit.
+            variance = x.pow(2).sum(-1, keepdim=True) / x.shape[-1]
+            return x * torch.rsqrt(variance + self.eps) * self.weight
         # Normalise in fp32 and scale after casting back, as the reference implementation does.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -226,9 +238,12 @@ class MLAAttention(nn.Module):
         else:
             q = _apply(self.q_b_proj, self.q_a_layernorm(_apply(self.q_a_proj, x)))
         q = q.view(x.shape[0], self.num_heads, c.qk_head_dim)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_pe = _apply(self.kv_a_proj_with_mqa, x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        pe = RotaryEmbedding.apply(torch.cat([q_pe, k_pe[:, None]], dim=1), cos, sin)
+        # Slices rather than Tensor.split: the same views without its Python-level overhead.
+        nope, rank = c.qk_nope_head_dim, c.kv_lora_rank
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
+        kv = _apply(self.kv_a_proj_with_mqa, x)
+        latent, k_pe = kv[:, :rank], kv[:, None, rank:]
+        pe = RotaryEmbedding.apply(torch.cat([q_pe, k_pe], dim=1), cos, sin)
         return q_nope, pe[:, : self.num_heads], torch.cat([self.kv_a_layernorm(latent), pe[:, -1]], dim=-1)
 
     def _w_uk_uv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
