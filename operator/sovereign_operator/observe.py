@@ -18,8 +18,11 @@ from sovereign_operator.api.status import (
     PoolsStatus,
     PoolStatus,
 )
+from sovereign_operator.kvhealth import KV_TRANSFER_HEALTHY
 from sovereign_operator.render import Rendered
 
+# Degraded's reason while KVTransferHealthy is False (the message carries the condition's own).
+KV_UNHEALTHY = "KVTransferUnhealthy"
 # Waiting reasons of a container that need a person, not patience.
 _STUCK_WAITING = {
     "CrashLoopBackOff",
@@ -162,6 +165,10 @@ def compute_status(
     rolling = [c for c, p in pools.items() if _is_rolling(observed.statefulsets.get(c), p.desired_replicas)]
 
     pod_problems = _pod_problems(observed.pods)
+    # Written by the KV-health monitor; counts only while the deployment is disaggregated.
+    kv_failing = next((c for c in conditions if c.type == KV_TRANSFER_HEALTHY and c.status == "False"), None)
+    if rendered.plan.mode != "disaggregated":
+        kv_failing = None
     if problem is not None:
         degraded = cond(DEGRADED, "True", problem.reason, problem.message)
     elif pod_problems:
@@ -169,6 +176,10 @@ def compute_status(
         if len(pod_problems) > 1:
             message += f" ({len(pod_problems) - 1} more pod problem(s))"
         degraded = cond(DEGRADED, "True", reason, message)
+    elif kv_failing is not None:
+        # Serving, but not the way the spec asked (REFERENCE: RDMA trouble must not hide behind
+        # Ready): Ready stays True, Degraded says what the KV transfer is doing.
+        degraded = cond(DEGRADED, "True", KV_UNHEALTHY, f"{kv_failing.reason}: {kv_failing.message}")
     else:
         degraded = cond(DEGRADED, "False", "AsExpected", "no problems observed")
 
@@ -217,7 +228,7 @@ def _without_autoscaler(status: dict[str, Any]) -> dict[str, Any]:
 
 
 # Fields other writers own; the operator's merge patch never mentions them.
-_FOREIGN_CONDITIONS = ("MetricsAvailable", "KVTransferHealthy")
+_FOREIGN_CONDITIONS = ("MetricsAvailable", KV_TRANSFER_HEALTHY)
 
 
 def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -> dict[str, Any] | None:

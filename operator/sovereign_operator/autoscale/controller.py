@@ -230,6 +230,10 @@ class AutoscaleController:
             self._session = aiohttp.ClientSession()
         return self._session
 
+    def http_session(self) -> aiohttp.ClientSession:
+        """The session pods are scraped with (the KV-health monitor shares it)."""
+        return self._http()
+
     async def _collect(
         self,
         spec: LLMDeploymentSpec,
