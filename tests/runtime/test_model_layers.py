@@ -359,3 +359,48 @@ def test_model_runs_under_inference_mode(tiny_checkpoint: Path) -> None:
     with torch.inference_mode():
         torch.testing.assert_close(prompt_logits(model, prompt), expected)
         torch.testing.assert_close(prompt_logits(model, prompt[:5]), expected[:5])
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_fp32_rmsnorm_is_the_reference_arithmetic_bit_for_bit(dim: int) -> None:
+    """The fp32 fast path (no casts, sum / n) gives exactly the reference's mean-based result."""
+    from sovereign_runtime.model.layers import RMSNorm
+
+    torch.manual_seed(dim)
+    norm = RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+        for tokens in (1, 7):
+            x = torch.randn(tokens, dim) * 3
+            reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            assert torch.equal(norm(x), reference)
+
+
+def test_one_token_moe_equals_the_grouped_path(tiny_checkpoint: Path) -> None:
+    """Decode's one-token MoE (chosen experts run directly) sums exactly what the sort/scatter path does."""
+    model, config = load_model(tiny_checkpoint)
+    moe = next(layer.mlp for i, layer in enumerate(model.model.layers) if config.is_moe_layer(i))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.randn(1, config.hidden_size)
+            weights, ids = moe.gate(x)
+            expected = moe._grouped(x, weights, ids) + moe.shared_experts(x)
+            assert torch.equal(moe(x), expected)
+
+
+def test_cached_transposed_weight_follows_weight_updates() -> None:
+    """The decode path's cached W^T view sees in-place updates and replaced weights (reloads)."""
+    from sovereign_runtime.model.layers import _apply
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 4, bias=False)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(_apply(linear, x), linear(x))
+        linear.weight.mul_(2)  # in place (load_state_dict without assign)
+        assert torch.equal(_apply(linear, x), linear(x))
+        linear.weight = torch.nn.Parameter(torch.randn(4, 8))  # replaced (assign=True)
+        assert torch.equal(_apply(linear, x), linear(x))
+        linear.weight.data = torch.randn(4, 8)  # new storage under the same parameter
+        assert torch.equal(_apply(linear, x), linear(x))

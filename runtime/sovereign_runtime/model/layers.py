@@ -47,12 +47,22 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # fp32: no casts. Written out rather than F.rms_norm, whose CPU composite costs several times
-            # these small ops at decode sizes; sum / n is how CPU ``mean`` computes it (same bits, without
-            # its scalar wrapping). The arithmetic is the reference's, bit for bit.
-            variance = x.pow(2).sum(-1, keepdim=True) / x.shape[-1]
-            return x * torch.rsqrt(variance + self.eps) * self.weight
+            # these small ops at decode sizes; sum / n is how CPU ``mean`` computes it. n and eps are 0-dim
+            # fp32 tensors made once (a Python number is wrapped into a new tensor on every op); they hold
+            # the values the scalars would be cast to, so the arithmetic is the reference's, bit for bit.
+            n, eps = self._constants(x.shape[-1])
+            return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / n + eps) * self.weight
         # Normalise in fp32 and scale after casting back, as the reference implementation does.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def _constants(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-dim CPU fp32 tensors (usable with tensors on any device) for dim and eps; made on first use."""
+        cached = self.__dict__.get("_consts")
+        if cached is None or cached[0] != (dim, self.eps):
+            f32 = {"dtype": torch.float32, "device": "cpu"}
+            values = (torch.tensor(float(dim), **f32), torch.tensor(self.eps, **f32))
+            cached = self.__dict__["_consts"] = ((dim, self.eps), values)
+        return cached[1]
 
 
 class MLP(nn.Module):
