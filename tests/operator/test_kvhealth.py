@@ -338,6 +338,12 @@ def test_monitor_writes_on_change_only_refreshes_degraded_and_clears_on_unified(
             assert "llm-decode-0" in cond["message"] and "llm-decode-1" not in cond["message"]
             assert kube.writes == [{"conditions": [metrics_cond, cond]}] and refreshed == [("ns", "llm")]
             assert not monitor.due("ns", "llm")
+            # Ready with KV health not known yet: every tick until it is.
+            ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+            unknown = {**cond, "status": "Unknown"}
+            assert monitor.due("ns", "llm", {"status": {**status, "conditions": [ready, unknown]}})
+            assert not monitor.due("ns", "llm", {"status": {**status, "conditions": [ready, cond]}})
+            assert not monitor.due("ns", "llm", {"status": {**status, "conditions": [unknown]}})
             # Steady state: same answers, no read of the object, no write.
             clock[0] += 15
             assert monitor.due("ns", "llm")
@@ -415,3 +421,45 @@ def test_degraded_follows_a_false_kv_condition_while_ready_stays(
     patch = status_patch(current, status)
     assert patch is not None and kv in patch["conditions"]  # the monitor's condition is kept
     assert sum(c["type"] == KV_TRANSFER_HEALTHY for c in patch["conditions"]) == 1
+
+
+def test_the_autoscale_timer_drives_the_monitor_on_the_operator_state() -> None:
+    import logging
+
+    from sovereign_operator import handlers
+    from sovereign_operator.autoscale import timer
+
+    class FakeReconciler:
+        def __init__(self) -> None:
+            self.refreshed: list[tuple[str, str]] = []
+
+        async def reconcile(self, b: Mapping[str, Any]) -> None:
+            pass
+
+        async def refresh_status(self, namespace: str, name: str) -> bool:
+            self.refreshed.append((namespace, name))
+            return True
+
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+    kube = MonitorKube({"mode": "disaggregated", "kvTransport": "tcp", "conditions": [ready]}, [])
+    reconciler = FakeReconciler()
+    saved = (handlers.STATE.kube, handlers.STATE.reconciler, timer._controller, timer._kv_monitor)
+    try:
+        handlers.STATE.kube, handlers.STATE.reconciler = kube, reconciler  # type: ignore[assignment]
+        timer._controller, timer._kv_monitor = None, None
+        monitor = timer.kv_monitor()
+        assert monitor is not None and timer.kv_monitor() is monitor
+
+        async def main() -> None:
+            await timer.autoscale(
+                name="llm", namespace="ns", spec={}, body=kube.body, logger=logging.getLogger("test")
+            )
+            await monitor.http().close()
+
+        asyncio.run(main())
+        # No ready pods behind a Ready object (pods listed separately): Unknown, and Degraded refreshed.
+        kv = kube.body["status"]["conditions"][-1]
+        assert (kv["type"], kv["status"], kv["reason"]) == (KV_TRANSFER_HEALTHY, "Unknown", "PodsNotReady")
+        assert reconciler.refreshed == [("ns", "llm")]
+    finally:
+        handlers.STATE.kube, handlers.STATE.reconciler, timer._controller, timer._kv_monitor = saved

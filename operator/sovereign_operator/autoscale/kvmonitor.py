@@ -77,6 +77,14 @@ async def read_kv_health(
         return KVReport(pod, component, error=f"{type(error).__name__}: {error}"[:300])
 
 
+def _undetermined(status: Mapping[str, Any]) -> bool:
+    if status.get("mode") != "disaggregated":
+        return False
+    ready = find_condition(status, "Ready")
+    kv = find_condition(status)
+    return bool(ready and ready.get("status") == "True") and (kv is None or kv.get("status") == "Unknown")
+
+
 @dataclass
 class _Memory:
     last_tick: float | None = None
@@ -104,7 +112,11 @@ class KVHealthMonitor:
         self.interval_s = interval_s
         self._memory: dict[tuple[str, str], _Memory] = {}
 
-    def due(self, namespace: str, name: str) -> bool:
+    def due(self, namespace: str, name: str, body: Mapping[str, Any] | None = None) -> bool:
+        """Time for a round. With the watched `body`: also every tick while the deployment is
+        Ready but KV health is not known yet, so the verdict follows Ready within one tick."""
+        if body is not None and _undetermined(body.get("status") or {}):
+            return True
         memory = self._memory.get((namespace, name))
         # 1 s slack, as the autoscaler: a timer firing a hair early must not skip a round.
         return (

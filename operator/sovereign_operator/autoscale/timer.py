@@ -90,7 +90,7 @@ async def autoscale(
         except Exception as error:  # one failed round is skipped, never retried in a hot loop
             logger.warning("autoscaling round for %s/%s failed: %s", namespace, name, error)
     monitor = kv_monitor()
-    if monitor is not None and monitor.due(namespace, name):
+    if monitor is not None and monitor.due(namespace, name, body):
         try:
             await monitor.tick(namespace, name, body)
         except Exception as error:  # as above: the next round tries again
