@@ -23,6 +23,7 @@ import pytest
 from cluster_helpers import (
     CLUSTER_SH,
     CRD_DIR,
+    REPO,
     Kubectl,
     OperatorProcess,
     local_kubeconfig,
@@ -73,7 +74,36 @@ def fresh_namespace(kube: Kubectl, label: str) -> Iterator[str]:
     try:
         yield name
     finally:
-        kube.run("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False, timeout=150)
+        # LLMDeployments first, while the operator still runs to release its finalizer; then the rest.
+        kube.run(
+            "delete",
+            "llmdeployments",
+            "--all",
+            "-n",
+            name,
+            "--wait=true",
+            "--timeout=60s",
+            check=False,
+            timeout=90,
+        )
+        kube.run("delete", "namespace", name, "--wait=true", "--timeout=60s", check=False, timeout=90)
+        if kube.get_or_none("namespace", name) is not None:
+            # A finalizer nobody will release (the operator was stopped or is broken) must not leave
+            # the namespace Terminating forever on a reused cluster; the test's own asserts stand.
+            for obj in kube.items("llmdeployments", "-n", name):
+                patch = '{"metadata":{"finalizers":null}}'
+                kube.run(
+                    "patch",
+                    "llmd",
+                    obj["metadata"]["name"],
+                    "-n",
+                    name,
+                    "--type=merge",
+                    "-p",
+                    patch,
+                    check=False,
+                )
+            kube.run("delete", "namespace", name, "--wait=true", "--timeout=60s", check=False, timeout=90)
 
 
 @pytest.fixture
@@ -101,7 +131,10 @@ def operator(
     kube: Kubectl, operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     """The operator, running for the whole session under its least-privilege identity."""
-    log_path = tmp_path_factory.mktemp("operator-log") / "operator.log"
+    # Logs live in .cluster/test-logs (git-ignored), not in pytest's rotating temp dirs.
+    log_dir = REPO / ".cluster" / "test-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"operator-{SESSION_PREFIX.rstrip('-')}.log"
     op = OperatorProcess(
         kubeconfig=operator_kubeconfig, log_path=log_path, namespaces=(f"{SESSION_PREFIX}*",)
     )
