@@ -351,30 +351,15 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        if self._stopped:
-            raise RuntimeError("engine is shut down")
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if rid in self._streams:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        seq = self.engine.make_sequence(prompt_token_ids, params, rid)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[rid] = (loop, queue)
+        rid, seq, queue = self._open_stream(prompt_token_ids, params, request_id)
         self._send("add", seq)
         finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in self._relay(queue):
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
-                    return
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._send("abort", rid)
+            self._close_stream(rid, finished)
 
     async def generate_remote(
         self,
@@ -387,15 +372,7 @@ class AsyncEngine:
         prompt, ``fetch`` fills the uncached rows and returns the first token, and the request joins the
         batch as a decode. If the pool has no room, or ``fetch`` fails, the request is prefilled locally;
         closing the iterator at any point aborts it and frees its blocks."""
-        if self._stopped:
-            raise RuntimeError("engine is shut down")
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if rid in self._streams:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        seq = self.engine.make_sequence(prompt_token_ids, params, rid)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[rid] = (loop, queue)
+        rid, seq, queue = self._open_stream(prompt_token_ids, params, request_id)
         self._send("reserve", seq)
         finished = False
         try:
@@ -412,18 +389,41 @@ class AsyncEngine:
                 self._send("local", rid)
             else:
                 self._send("commit", (rid, first))
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in self._relay(queue):
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
-                    return
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._send("abort", rid)
+            self._close_stream(rid, finished)
+
+    def _open_stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None
+    ) -> tuple[str, Sequence, asyncio.Queue[Any]]:
+        """Validate and register one request's output queue (on the caller's event loop)."""
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seq = self.engine.make_sequence(prompt_token_ids, params, rid)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        return rid, seq, queue
+
+    @staticmethod
+    async def _relay(queue: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
+        """The engine thread's outputs for one request, up to and including the finished one."""
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def _close_stream(self, rid: str, finished: bool) -> None:
+        self._streams.pop(rid, None)
+        if not finished:  # the caller stopped listening early: free the request's blocks now
+            self._send("abort", rid)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
