@@ -238,6 +238,8 @@ def test_liveness_readiness_and_graceful_termination() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert "/drain" in command[2] and command[-1] == "200"
+    # The runtime's own drain (started by the hook's POST /drain) waits as long as the hook does.
+    assert _arg(container, "--drain-timeout") == "200"
     assert statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 200
 
 

@@ -40,8 +40,8 @@ MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUNTIME_GID = 65532  # the group of the runtime image's user (images/runtime.Dockerfile)
-# Time after the preStop drain for SIGTERM handling: the runtime drains again for up to its own
-# --drain-timeout (30 s by default) before it exits.
+# Time after the preStop drain for SIGTERM handling and exit (the runtime gets --drain-timeout =
+# runtime.drainTimeoutSeconds, the same bound the hook waits).
 EXIT_GRACE_SECONDS = 45
 ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 
@@ -215,6 +215,10 @@ def _runtime_args(spec: LLMDeploymentSpec, component: Component, plan: ModePlan,
         "--tensor-parallel-size",
         str(spec.runtime.tensor_parallel_size),
     ]
+    if spec.runtime.drain_timeout_seconds > 0:
+        # POST /drain (the preStop hook) starts the runtime's own drain clock: without this it would
+        # abort in-flight requests after its 30 s default while the hook and grace period allow more.
+        args += ["--drain-timeout", str(spec.runtime.drain_timeout_seconds)]
     if plan.kv_transport is not None:
         args += ["--kv-transport", plan.kv_transport]
     return args + list(spec.runtime.args)
