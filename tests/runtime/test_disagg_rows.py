@@ -1,4 +1,4 @@
-"""KV rows in the paged cache (read/write through a block table) and the prefill's per-chunk exporter."""
+"""KV rows in the paged cache (read/write through a block table) and the prefill's per-layer exporter."""
 
 from __future__ import annotations
 
@@ -42,14 +42,20 @@ class _Stream:
         self.frames.append((layer, first, kv.clone()))
 
 
+def _chunk(exporter: _Exporter, seq: Any, start: int, end: int, layers: int = 3) -> None:
+    """What the engine does for one forward chunk: the hook after each decoder layer."""
+    for layer in range(layers):
+        exporter(seq, layer, start, end)
+
+
 def test_exporter_sends_each_chunk_once_per_layer_from_the_decode_cached_point() -> None:
     cache = torch.randn(3, 8, 4, 5)
     seq: Any = SimpleNamespace(block_table=[1, 4, 7])
     stream = _Stream()
     exporter = _Exporter(stream, cache, num_cached=4, num_prompt=11)  # type: ignore[arg-type]
-    exporter(seq, 6)  # first chunk computed positions up to 6: rows 4, 5
-    exporter(seq, 6)  # nothing new (e.g. a decode step of another request)
-    exporter(seq, 12)  # the rest; position 11 is the sampled token, not a prompt row
+    _chunk(exporter, seq, 5, 6)  # the prefill had 0-4 cached, computed position 5: rows 4, 5 go
+    _chunk(exporter, seq, 5, 6)  # nothing new (e.g. the same chunk recomputed after a preemption)
+    _chunk(exporter, seq, 6, 12)  # the rest; position 11 is the sampled token, not a prompt row
     assert [(layer, first, kv.shape[0]) for layer, first, kv in stream.frames] == [
         (0, 0, 2), (1, 0, 2), (2, 0, 2), (0, 2, 5), (1, 2, 5), (2, 2, 5)
     ]  # fmt: skip
@@ -60,14 +66,28 @@ def test_exporter_sends_each_chunk_once_per_layer_from_the_decode_cached_point()
     assert exporter.sent == 11 and exporter.bytes == full.numel() * 4
 
 
+def test_exported_rows_are_copies_that_later_cache_writes_do_not_change() -> None:
+    cache = torch.randn(2, 4, 4, 5)
+    seq: Any = SimpleNamespace(block_table=[2, 0])
+    stream = _Stream()
+    exporter = _Exporter(stream, cache, num_cached=0, num_prompt=6)  # type: ignore[arg-type]
+    exporter(seq, 0, 0, 6)
+    want = read_rows(cache, seq.block_table, 0, 6)[0].clone()
+    sent = stream.frames[0][2]
+    cache.zero_()  # the next step reuses the blocks
+    assert torch.equal(sent, want) and exporter.sent == 0  # layer 1 of the chunk is still to come
+
+
 def test_exporter_failure_aborts_the_prefill_and_stops_sending() -> None:
     aborted: list[bool] = []
-    stream = _Stream(fail_after=3)
+    stream = _Stream(fail_after=4)
     exporter = _Exporter(stream, torch.randn(3, 8, 4, 5), 0, 20, lambda: aborted.append(True))  # type: ignore[arg-type]
     seq: Any = SimpleNamespace(block_table=[0, 1, 2, 3, 4])
-    exporter(seq, 8)
+    _chunk(exporter, seq, 0, 8)
+    exporter(seq, 0, 8, 16)
     with pytest.raises(KVTransferError):
-        exporter(seq, 16)
-    exporter(seq, 20)  # after a failure nothing more is sent
-    assert aborted == [True] and "connection broke" in (exporter.error or "") and len(stream.frames) == 3
+        exporter(seq, 1, 8, 16)
+    exporter(seq, 2, 8, 16)
+    _chunk(exporter, seq, 16, 20)  # after a failure nothing more is sent
+    assert aborted == [True] and "connection broke" in (exporter.error or "") and len(stream.frames) == 4
     assert exporter.sent == 8

@@ -24,6 +24,18 @@ def read_rows(kv_cache: torch.Tensor, block_table: list[int], start: int, end: i
     return kv_cache.view(layers, blocks * block_size, dim).index_select(1, index)
 
 
+def read_layer_rows(
+    kv_cache: torch.Tensor, block_table: list[int], layer: int, start: int, end: int
+) -> torch.Tensor:
+    """A copy of layer `layer`'s positions `[start, end)`: `[end - start, kv_dim]` (safe to send while
+    later steps overwrite the cache)."""
+    layers, blocks, block_size, dim = kv_cache.shape
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} is outside [0, {layers})")
+    index = slots(block_table, block_size, start, end).to(kv_cache.device)
+    return kv_cache[layer].view(blocks * block_size, dim).index_select(0, index)
+
+
 def write_rows(
     kv_cache: torch.Tensor, block_table: list[int], layer: int, start: int, rows: torch.Tensor
 ) -> None:

@@ -7,10 +7,11 @@ Flow for one request the router pairs (decode D, prefill P, room R):
    expects room R with layout layers x (prompt - num_cached) x kv_dim.
 2. D posts `/v1/internal/prefill` to P with the prompt ids, the sampling parameters, R, its ticket
    (how to reach the room) and `num_cached`.
-3. P runs the prompt (max one new token). After each forward chunk the engine's KV-export hook reads
-   the rows just computed from P's paged cache and queues them, one frame per layer, so the transfer
-   overlaps the next chunk. P then sends `done` with the first token (and its logprob) and waits for
-   D's ack; P's blocks are released by its engine like any finished request's.
+3. P runs the prompt (max one new token). Inside each forward chunk, right after decoder layer i wrote
+   its KV, the engine's KV-export hook copies that layer's new rows out of P's paged cache and queues
+   one frame, so the transfer overlaps the computation of layers i+1... (and of the next chunk). P then
+   sends `done` with the first token (and its logprob) and waits for D's ack; P's blocks are released
+   by its engine like any finished request's.
 4. D writes each layer's rows into its reserved blocks as they arrive, and on `done` commits the
    request as a running decode whose first token is already emitted.
 
@@ -42,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from ..engine.engine import AsyncEngine, RemoteFirstToken, RemoteSlot, TokenLogprob
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Sequence
-from .kv_rows import read_rows, write_rows
+from .kv_rows import read_layer_rows, write_rows
 from .transport import KVLayout, KVReceiver, KVSender, KVStream, KVTransferError, TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger("sovereign_runtime.disagg")
@@ -135,7 +136,9 @@ class _Health:
 
 
 class _Exporter:
-    """The prefill side's KV-export hook for one request (runs on the engine thread)."""
+    """The prefill side's KV-export hook for one request (runs on the engine thread, inside the forward
+    pass): after decoder layer `layer` wrote a chunk, that layer's new rows are copied and queued, so the
+    sender's thread transfers them while the next layers compute."""
 
     def __init__(
         self,
@@ -147,24 +150,27 @@ class _Exporter:
     ) -> None:
         self.stream, self.kv_cache, self.on_error = stream, kv_cache, on_error
         self.num_cached, self.num_prompt = num_cached, num_prompt
+        self.num_layers = int(kv_cache.shape[0])
         self.sent = num_cached  # rows below this position are on their way (or the decode has them)
         self.bytes = 0
         self.error: str | None = None
 
-    def __call__(self, seq: Sequence, computed: int) -> None:
-        end = min(computed, self.num_prompt)
+    def __call__(self, seq: Sequence, layer: int, start: int, end: int) -> None:
+        # From `sent`, not `start`: on the first chunk the rows this prefill had cached (past what the
+        # decode holds) are in the cache but not recomputed, and the decode needs them too.
+        end = min(end, self.num_prompt)
         if end <= self.sent or self.error is not None:
             return
         try:
-            rows = read_rows(self.kv_cache, seq.block_table, self.sent, end)
-            for layer in range(rows.shape[0]):
-                self.stream.send_layer(layer, self.sent - self.num_cached, rows[layer])
+            rows = read_layer_rows(self.kv_cache, seq.block_table, layer, self.sent, end)
+            self.stream.send_layer(layer, self.sent - self.num_cached, rows)
         except Exception as exc:
             self.error = f"{exc.__class__.__name__}: {exc}"
             self.on_error()  # the decode is gone: stop computing the rest of the prompt
             raise
         self.bytes += rows.numel() * rows.element_size()
-        self.sent = end
+        if layer == self.num_layers - 1:  # every layer of this chunk is queued
+            self.sent = end
 
 
 class DisaggEngine:

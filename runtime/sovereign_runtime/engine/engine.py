@@ -23,7 +23,7 @@ from .block_manager import KVLayout, plan_num_blocks
 from .model_runner import ModelRunner, PagedModel
 from .sampler import make_generator
 from .sampling import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
 from .sequence import Sequence
 
 
@@ -73,6 +73,56 @@ class EngineStats(SchedulerStats):
     generation_tokens_total: int = 0
     num_blocks: int = 0
     block_size: int = 0
+
+
+# Prefill-side KV export of one request: ``hook(seq, layer, start, end)`` (see ``LLMEngine.kv_export_hooks``).
+KVExportHook = Callable[[Sequence, int, int, int], None]
+
+
+class _LayerExport:
+    """One step's per-layer export: the model calls it after each decoder layer (``after_layer``).
+
+    Built only for batches holding an exported sequence. A hook that raises is dropped from the engine's
+    hooks and from the rest of this step: a broken transfer fails that request's transfer, never the batch.
+    """
+
+    def __init__(
+        self,
+        hooks: dict[str, KVExportHook],
+        targets: list[tuple[Sequence, KVExportHook, int, int]],
+        layers: int,
+    ) -> None:
+        self.hooks, self.targets, self.layers = hooks, targets, layers
+        self.next_layer = 0
+
+    @classmethod
+    def for_batch(cls, engine: LLMEngine, batch: ScheduledBatch) -> _LayerExport | None:
+        hooks = engine.kv_export_hooks
+        targets = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            hook = hooks.get(seq.request_id)
+            if hook is not None:
+                # Positions this step writes; read before ``update`` advances num_computed_tokens.
+                targets.append((seq, hook, seq.num_computed_tokens, seq.num_computed_tokens + n))
+        # Only the cache's layers are exported: an MTP layer the engine does not cache never reports.
+        return cls(hooks, targets, int(engine.runner.kv_cache.shape[0])) if targets else None
+
+    def __call__(self, layer: int) -> None:
+        if layer >= self.layers:
+            return
+        for target in list(self.targets):
+            seq, hook, start, end = target
+            try:
+                hook(seq, layer, start, end)
+            except Exception:
+                self.targets.remove(target)
+                self.hooks.pop(seq.request_id, None)
+        self.next_layer = max(self.next_layer, layer + 1)
+
+    def finish(self) -> None:
+        """Export the layers the model did not report (a model that ignores ``after_layer``)."""
+        for layer in range(self.next_layer, self.layers):
+            self(layer)
 
 
 class LLMEngine:
@@ -129,10 +179,11 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        # Prefill side of disaggregation: request id -> called on the engine thread after each forward
-        # that computed part of that request, with the number of tokens whose KV is now in its blocks
-        # (read them before the step releases the blocks). Set and cleared by sovereign_runtime.disagg.
-        self.kv_export_hooks: dict[str, Callable[[Sequence, int], None]] = {}
+        # Prefill side of disaggregation: request id -> ``hook(seq, layer, start, end)``, called on the
+        # engine thread during each forward that computes part of that request, right after decoder layer
+        # ``layer`` wrote the KV of positions ``[start, end)`` (copy the rows out before returning: the
+        # next step may overwrite them). Set and cleared by sovereign_runtime.disagg.
+        self.kv_export_hooks: dict[str, KVExportHook] = {}
 
     @classmethod
     def from_model(cls, model: Any, config: EngineConfig | None = None) -> LLMEngine:
@@ -199,9 +250,10 @@ class LLMEngine:
         batch = sched.schedule()
         if not batch.seqs:
             return []
-        out = self.runner.execute(batch)
-        if self.kv_export_hooks:
-            self._export_kv(batch)
+        export = _LayerExport.for_batch(self, batch) if self.kv_export_hooks else None
+        out = self.runner.execute(batch, export)
+        if export is not None:
+            export.finish()  # layers the model did not report (a model without the callback)
         sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
         self.prompt_tokens_total += sum(
             min(n, s.num_prompt_tokens - s.num_computed_tokens)
@@ -218,16 +270,6 @@ class LLMEngine:
                 lp = [TokenLogprob(out.token_ids[i], out.logprobs[i], out.top_logprobs[i] or [])]  # type: ignore[arg-type]
             outputs.append(self._output(seq, [out.token_ids[i]], lp, now))
         return outputs
-
-    def _export_kv(self, batch: Any) -> None:
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            hook = self.kv_export_hooks.get(seq.request_id)
-            if hook is None:
-                continue
-            try:
-                hook(seq, seq.num_computed_tokens + n)
-            except Exception:  # a broken transfer fails that request's transfer, never the batch
-                self.kv_export_hooks.pop(seq.request_id, None)
 
     # ---- remote prefill (decode side of disaggregation) --------------------------------------------
     def reserve_remote(self, seq: Sequence) -> RemoteSlot | None:

@@ -8,6 +8,7 @@ the end of their known tokens (finished prompts and decodes), never for mid-prom
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -112,9 +113,15 @@ class ModelRunner:
     # no_grad rather than inference_mode: model code may keep tensors (e.g. RoPE caches keyed on a
     # tensor's version counter) that inference tensors do not support.
     @torch.no_grad()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run the batch; returns one sampled token per sequence with ``sample`` set (in batch order)."""
+    def execute(
+        self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
+    ) -> SamplerOutput:
+        """Run the batch; returns one sampled token per sequence with ``sample`` set (in batch order).
+
+        ``after_layer(i)`` (optional) is called by the model once decoder layer ``i`` has written its KV.
+        """
         ids, meta, logit_rows = self.prepare(batch)
+        meta.after_layer = after_layer
         with attention_context(meta):
             hidden = self.model(ids, meta.positions)
         if not logit_rows:

@@ -32,6 +32,10 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
+    # Called with the decoder layer's index right after that layer ran (its latents are in the cache), so
+    # the prefill role can hand layer i's KV to its sender while layers i+1... compute. None (the default,
+    # and whenever no exported sequence is in the batch) costs nothing. MTP layers never call it.
+    after_layer: Callable[[int], None] | None = None
     # Values derived from the metadata that every layer of the step would otherwise recompute (e.g. the
     # decode gather slots); filled lazily by ``memo``, private to the step.
     _memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -64,6 +68,11 @@ def get_attention_metadata() -> AttentionMetadata:
     if current is None:
         raise RuntimeError("no attention context installed: run the model through attention_context(meta)")
     return current
+
+
+def current_attention_metadata() -> AttentionMetadata | None:
+    """The installed metadata, or None (callers that only read optional fields; layers raise instead)."""
+    return getattr(_local, "current", None)
 
 
 @contextmanager

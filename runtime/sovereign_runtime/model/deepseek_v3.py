@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .context import current_attention_metadata
 from .layers import DecoderLayer, RMSNorm, _linear
 from .rope import RotaryEmbedding
 
@@ -86,8 +87,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        # Missing context or cache: the first attention layer raises the error that names it.
+        meta = current_attention_metadata()
+        after = meta.after_layer if meta is not None else None
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, positions)
+            if after is not None:
+                after(i)
         return self.model.norm(x)
 
     @torch.no_grad()
