@@ -101,7 +101,7 @@ def run_one(
     time.sleep(steady_s)
     writes = len(audited_writes(audit, OPERATOR_USER, since)) if audit else None
     rss = peak_rss_mib(op.proc.pid) if op.proc else float("nan")
-    # Delete while the operator runs: it releases its finalizers, then the namespace can go.
+    # Delete the objects while the operator runs, so its deletes are part of what is measured.
     kube.run("delete", "llmd", "--all", "-n", ns, "--wait=true", "--timeout=300s", timeout=330)
     op.stop()
     kube.run("delete", "namespace", ns, "--wait=true", "--timeout=300s", timeout=330)

@@ -7,8 +7,8 @@
   it): switching modes replaces every pool, so node churn must not trigger it;
 - no delete handler and so no finalizer: owner references clean up.
 
-The autoscaler adds a `@kopf.timer` that writes `status.pools.<pool>.autoscaler.desiredReplicas`
-and calls `STATE.reconciler.reconcile(body)`; the new replica counts flow into rendering as
+The autoscaler adds a periodic loop (not a `@kopf.timer`, which would add a finalizer) that writes
+`status.pools.<pool>.autoscaler.desiredReplicas` and calls `STATE.reconciler.reconcile(body)`; the new replica counts flow into rendering as
 overrides, never into `spec`.
 """
 

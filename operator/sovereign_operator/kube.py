@@ -84,6 +84,17 @@ class Kube:
                 return None
             raise
 
+    async def list_deployments(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """The LLMDeployments of one namespace, or of all namespaces with None."""
+        from lightkube import ALL_NS
+
+        return [
+            _as_dict(obj)
+            async for obj in self.client.list(
+                LLMDeploymentResource, namespace=ALL_NS if namespace is None else namespace
+            )
+        ]
+
     async def observe(self, namespace: str, instance: str) -> Observed:
         labels = self._owned(instance)
         statefulsets: dict[str, dict[str, Any]] = {}

@@ -13,9 +13,11 @@ import kopf
 def run_operator(namespaces: list[str] | None, health_port: int, verbose: bool) -> int:
     from sovereign_operator import handlers  # registers the handlers
 
-    # The autoscaler registers its kopf timer on import; it is optional so the core runs alone.
+    # The autoscaler registers its loop's start and stop on import; optional, so the core runs alone.
     if importlib.util.find_spec("sovereign_operator.autoscale.timer") is not None:
-        importlib.import_module("sovereign_operator.autoscale.timer")
+        timer = importlib.import_module("sovereign_operator.autoscale.timer")
+        # The loop lists LLMDeployments itself: it must serve the same namespaces kopf does.
+        timer.serve_namespaces(namespaces or ())
 
     handlers.STATE.health_port = health_port
     # kopf installs its own log format; a second handler would print every line twice.

@@ -239,6 +239,27 @@ def test_delete_lets_the_garbage_collector_remove_every_child(
     )
 
 
+def test_deleting_the_namespace_completes_under_the_namespace_restricted_operator(
+    kube: Kubectl, operator: OperatorProcess, namespace: str
+) -> None:
+    # The session's operator serves only `--namespace=<prefix>*`: kopf observes the Namespaces and
+    # stops serving one marked for deletion. With no finalizer on the objects that cannot hang.
+    kube.apply(gpu_llmd("ds", decode=1), namespace)
+    wait_ready(kube, operator, namespace, "ds")
+    time.sleep(6)  # past the first autoscaling tick (a kopf timer had added its finalizer by now)
+    assert not get_llmd(kube, namespace, "ds")["metadata"].get("finalizers")
+
+    started = time.monotonic()
+    kube.run("delete", "namespace", namespace, "--wait=false")
+    wait_for(
+        f"namespace {namespace} gone",
+        lambda: kube.get_or_none("namespace", namespace) is None,
+        timeout=60,
+    )
+    operator.assert_alive()
+    assert time.monotonic() - started < 60
+
+
 def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorProcess, namespace: str) -> None:
     kube.apply(gpu_llmd("ds", decode=1), namespace)
     wait_ready(kube, operator, namespace, "ds")

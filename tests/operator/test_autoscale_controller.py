@@ -308,13 +308,16 @@ def test_prometheus_replay_moves_replicas_up_then_down_and_status_explains() -> 
     assert [h["to"] for h in auto["history"]][-3:] == [3, 2, 1]
 
 
-def test_kopf_timer_is_registered_and_builds_on_the_operator_state() -> None:
+def test_autoscale_loop_is_registered_without_a_kopf_timer_and_builds_on_the_operator_state() -> None:
     import kopf
     from sovereign_operator import handlers, metrics
     from sovereign_operator.autoscale import timer
 
-    spawning = kopf.get_default_registry()._spawning.get_all_handlers()
-    assert any(h.id == "autoscale" for h in spawning)
+    registry = kopf.get_default_registry()
+    # No timers or daemons: kopf would put a finalizer on every LLMDeployment for them.
+    assert not registry._spawning.get_all_handlers()
+    activities = {h.fn for h in registry._activities.get_all_handlers()}
+    assert {timer.start_autoscaler, timer.close_autoscaler} <= activities
 
     class FakeReconciler:
         def __init__(self) -> None:
@@ -372,3 +375,86 @@ def test_switching_back_to_fixed_replicas_clears_the_autoscaler_status() -> None
     assert [c["type"] for c in status["conditions"]] == ["Ready"]
     # Rendering no longer sees an override.
     assert replica_overrides(status) == {}
+
+
+def test_the_loop_rounds_serve_only_the_operators_namespaces_and_isolate_objects() -> None:
+    import logging
+
+    from sovereign_operator.autoscale import timer
+
+    def obj(namespace: str, name: str, deleting: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"namespace": namespace, "name": name}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        return {"metadata": meta, "spec": {}}
+
+    class ListingKube:
+        def __init__(self, bodies: list[dict[str, Any]]) -> None:
+            self.bodies = bodies
+            self.calls: list[str | None] = []
+
+        async def list_deployments(self, namespace: str | None = None) -> list[dict[str, Any]]:
+            self.calls.append(namespace)
+            return [b for b in self.bodies if namespace is None or b["metadata"]["namespace"] == namespace]
+
+    kube = ListingKube([obj("a-1", "x"), obj("a-2", "y"), obj("b", "z"), obj("a-3", "gone", deleting=True)])
+    seen: list[tuple[str, str]] = []
+    release = asyncio.Event()
+
+    async def fake_autoscale(name: str, namespace: str, **_: Any) -> None:
+        seen.append((namespace, name))
+        if name == "x":
+            raise RuntimeError("boom")  # isolated: the others still run
+        if name == "y":
+            await release.wait()  # a slow round: the next tick skips it, never stacks a second
+
+    async def scenario() -> None:
+        log = logging.getLogger("test")
+        # Patterns: one cluster-wide list, filtered the way kopf filters.
+        await timer.run_round(kube, ("a-*",), log)
+        await asyncio.sleep(0)
+        assert kube.calls == [None] and sorted(seen) == [("a-1", "x"), ("a-2", "y")]
+        await timer.run_round(kube, ("a-*",), log)
+        await asyncio.sleep(0)
+        assert sorted(seen) == [("a-1", "x"), ("a-1", "x"), ("a-2", "y")]  # y still in flight
+        release.set()
+        await asyncio.sleep(0)
+        # Plain names: one list per namespace (namespaced RBAC suffices).
+        kube.calls.clear()
+        seen.clear()
+        await timer.run_round(kube, ("b", "a-2"), log)
+        await asyncio.sleep(0)
+        assert sorted(kube.calls) == ["a-2", "b"] and sorted(seen) == [("a-2", "y"), ("b", "z")]
+        assert ("a-1", "x") not in timer._rounds  # no longer served: forgotten
+        seen.clear()
+        await timer.run_round(kube, (), log)  # cluster-wide operator
+        await asyncio.sleep(0)
+        assert sorted(seen) == [("a-1", "x"), ("a-2", "y"), ("b", "z")]
+        await asyncio.gather(*timer._rounds.values())
+
+    original = timer.autoscale
+    timer.autoscale = fake_autoscale  # type: ignore[assignment]
+    try:
+        asyncio.run(scenario())
+    finally:
+        timer.autoscale = original  # type: ignore[assignment]
+        timer._rounds.clear()
+
+
+def test_the_loop_posts_events_through_the_queue_kopf_handlers_run_with() -> None:
+    from kopf._core.engines import posting
+    from sovereign_operator.autoscale import timer
+
+    async def scenario() -> None:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        posting.event_queue_loop_var.set(asyncio.get_running_loop())
+        posting.event_queue_var.set(queue)
+        await timer.capture_posting()  # as kopf calls it for an LLMDeployment event
+        assert timer._posting == (asyncio.get_running_loop(), queue)
+
+    saved = timer._posting
+    timer._posting = None
+    try:
+        asyncio.run(scenario())
+    finally:
+        timer._posting = saved

@@ -265,7 +265,7 @@ class AutoscaleController:
 
     def due(self, namespace: str, name: str, interval_s: float) -> bool:
         memory = self._memory.get((namespace, name))
-        # 1 s slack: a kopf timer firing a hair early must not skip a whole interval.
+        # 1 s slack: a loop tick firing a hair early must not skip a whole interval.
         return memory is None or memory.last_tick is None or self.clock() - memory.last_tick >= interval_s - 1
 
     async def tick(self, namespace: str, name: str, force: bool = False) -> dict[str, PoolDecision] | None:

@@ -1,7 +1,6 @@
 """Collecting `GET /health/kv` from prefill and decode pods and writing `KVTransferHealthy`.
 
-Driven by the autoscaler's kopf timer (one timer, one finalizer setting), with the same pod listing
-and HTTP session; free of kopf so tests drive it with fakes and loopback servers. Writes only when
+Driven by the autoscaler's periodic loop (`timer.py`), with the same pod listing and HTTP session; free of kopf so tests drive it with fakes and loopback servers. Writes only when
 the condition changed (steady state: no write, and no apiserver read beyond the pod listing), then
 asks the reconciler to refresh status so `Degraded` follows the condition.
 """
