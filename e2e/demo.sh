@@ -33,6 +33,16 @@ stop() {
   "$repo/e2e/cluster/cluster.sh" down
 }
 
+# kwok's pods run no containers: run the tiny pool's container here, with the arguments the operator
+# rendered into its StatefulSet, and ask the built-in model (an answer can be checked, not just received).
+ask_the_model() {
+  local args
+  args=$(kubectl get statefulset -n "$ns" tiny-unified -o jsonpath='{.spec.template.spec.containers[0].args}')
+  echo
+  echo "demo: the built-in model, served with the tiny pool's rendered container command:"
+  "$repo/.venv/bin/python" "$repo/e2e/demo_ask.py" "$args"
+}
+
 start() {
   "$repo/e2e/cluster/build.sh"
   "$repo/e2e/cluster/cluster.sh" up
@@ -83,6 +93,8 @@ start() {
     operator_running || { echo "demo: the operator exited; see $oplog" >&2; exit 1; }
     sleep 2
   done
+
+  ask_the_model
 
   cat <<EOF
 
