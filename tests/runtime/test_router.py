@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 from aiohttp import web
+from loopback import serve_app
 from sovereign_runtime.router.app import Router, RouterConfig, create_app
 from sovereign_runtime.router.cli import add_router_arguments, validate_router_args
 from sovereign_runtime.router.discovery import endpoint_urls
@@ -188,22 +189,9 @@ class StubWorker:
 
 
 @asynccontextmanager
-async def serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-@asynccontextmanager
 async def router_over(members: dict[str, list[str]], **config: object) -> AsyncIterator[tuple[str, Router]]:
     router = Router(RouterConfig(static_members=members, health_interval_s=3600, **config))  # type: ignore[arg-type]
-    async with serve(create_app(router)) as url:
+    async with serve_app(create_app(router)) as url:
         await router.check_all()
         yield url, router
 
@@ -215,7 +203,7 @@ def run(coro: object) -> object:
 def test_routes_and_streams_through_to_workers() -> None:
     async def scenario() -> None:
         a, b = StubWorker("a"), StubWorker("b")
-        async with serve(a.app) as url_a, serve(b.app) as url_b:
+        async with serve_app(a.app) as url_a, serve_app(b.app) as url_b:
             async with (
                 router_over({"worker": [url_a, url_b]}, policy="least-load") as (url, _),
                 aiohttp.ClientSession() as client,
@@ -242,7 +230,7 @@ def test_retries_on_another_worker_before_any_byte_is_sent() -> None:
 
     async def scenario() -> None:
         bad, good = StubWorker("bad", broken), StubWorker("good")
-        async with serve(bad.app) as url_bad, serve(good.app) as url_good:
+        async with serve_app(bad.app) as url_bad, serve_app(good.app) as url_good:
             async with (
                 router_over({"worker": [url_bad, url_good]}, policy="round-robin", failure_threshold=2) as (
                     url,
@@ -266,7 +254,7 @@ def test_retries_on_another_worker_before_any_byte_is_sent() -> None:
 def test_dead_worker_is_skipped_and_no_workers_gives_openai_503() -> None:
     async def scenario() -> None:
         good = StubWorker("good")
-        async with serve(good.app) as url_good:
+        async with serve_app(good.app) as url_good:
             dead = "http://127.0.0.1:9"  # discard port: connection refused
             async with (
                 router_over({"worker": [dead, url_good]}, policy="round-robin") as (url, router),
@@ -309,7 +297,7 @@ def test_failure_mid_stream_ends_with_an_error_event() -> None:
 
     async def scenario() -> None:
         worker = StubWorker("dies", dies)
-        async with serve(worker.app) as url_w:
+        async with serve_app(worker.app) as url_w:
             async with router_over({"worker": [url_w]}) as (url, _), aiohttp.ClientSession() as client:
                 async with client.post(f"{url}/v1/completions", json={"prompt": "x", "stream": True}) as resp:
                     text = await resp.text()
@@ -324,8 +312,8 @@ def test_disaggregated_mode_pairs_decode_with_prefill_for_long_prompts() -> None
     async def scenario() -> None:
         prefill, decode = StubWorker("p"), StubWorker("d")
         async with (
-            serve(prefill.app) as url_p,
-            serve(decode.app) as url_d,
+            serve_app(prefill.app) as url_p,
+            serve_app(decode.app) as url_d,
             router_over({"prefill": [url_p], "decode": [url_d]}, disaggregation_threshold_chars=10) as (
                 url,
                 _,
