@@ -2,7 +2,9 @@
 
 kwok's pods run no containers, so `make demo` starts the process the tiny pool's pods would run, with
 the exact arguments the operator rendered into the StatefulSet (only the listen address changes), and
-sends OpenAI chat completions to it.
+sends OpenAI chat completions to it. The cluster suite (tests/cluster/test_tiny_serves.py) uses the
+same functions, against this local process on the local control plane and through the router's
+Service on a cluster whose pods really run (kind).
 
     python e2e/demo_ask.py '<the container args as JSON>'
 """
@@ -17,11 +19,22 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
 
 BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Answer:
+    prompt: str
+    reasoning: str | None
+    content: str
+    correct: bool
 
 
 def free_port() -> int:
@@ -41,17 +54,22 @@ def local_args(rendered: list[str], port: int) -> list[str]:
     return args
 
 
+def served_model_name(rendered: list[str]) -> str | None:
+    return rendered[rendered.index("--served-model-name") + 1] if "--served-model-name" in rendered else None
+
+
 def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.load(response)
 
 
-def wait_ready(base: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
+def wait_ready(base: str, process: subprocess.Popen | None = None, timeout_s: float = 300) -> None:
+    """Poll `base`/health/ready; fail early if the local `process` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"demo: the runtime exited with {process.returncode}")
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the runtime exited with {process.returncode}")
         try:
             with urllib.request.urlopen(base + "/health/ready", timeout=2) as response:
                 if response.status == 200:
@@ -59,37 +77,59 @@ def wait_ready(base: str, process: subprocess.Popen, timeout_s: float = 300) -> 
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(1)
-    raise SystemExit(f"demo: the runtime was not ready after {timeout_s:g} s")
+    raise RuntimeError(f"{base} was not ready after {timeout_s:g} s")
 
 
-def main() -> None:
-    rendered = json.loads(sys.argv[1])
+@contextmanager
+def serve_locally(rendered: list[str], log: Path | None = None) -> Iterator[str]:
+    """Run `sovereign-runtime <rendered args>` here; yield its base URL once it is ready."""
     port = free_port()
-    args = local_args(rendered, port)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    print("demo: sovereign-runtime " + " ".join(args), flush=True)
+    out = log.open("ab") if log else subprocess.DEVNULL
     process = subprocess.Popen(
-        [str(BIN / "sovereign-runtime"), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [str(BIN / "sovereign-runtime"), *local_args(rendered, port)], env=env, stdout=out, stderr=out
     )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, process)
-        model = (
-            rendered[rendered.index("--served-model-name") + 1] if "--served-model-name" in rendered else None
-        )
-        for question in make_questions(3, seed=2026):
-            answer = post(
-                base + "/v1/chat/completions",
-                {"model": model, "messages": question.messages(), "temperature": 0, "max_tokens": 64},
-            )
-            message = answer["choices"][0]["message"]
-            verdict = "correct" if check_answer(question, message["content"] or "") else "WRONG"
-            print(f"  Q: {question.prompt}")
-            print(f"     reasoning: {message.get('reasoning_content')!r}")
-            print(f"     answer:    {message['content']!r} ({verdict})")
+        yield base
     finally:
         process.terminate()
         process.wait(timeout=60)
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def ask(base: str, model: str | None, count: int = 3, seed: int = 2026) -> list[Answer]:
+    """Ask `count` checkable questions through OpenAI chat completions (greedy)."""
+    answers = []
+    for question in make_questions(count, seed=seed):
+        reply = post(
+            base + "/v1/chat/completions",
+            {"model": model, "messages": question.messages(), "temperature": 0, "max_tokens": 64},
+        )
+        message = reply["choices"][0]["message"]
+        content = message["content"] or ""
+        answers.append(
+            Answer(
+                question.prompt, message.get("reasoning_content"), content, check_answer(question, content)
+            )
+        )
+    return answers
+
+
+def main() -> None:
+    rendered = json.loads(sys.argv[1])
+    print("demo: sovereign-runtime " + " ".join(rendered) + "  (here: on 127.0.0.1)", flush=True)
+    try:
+        with serve_locally(rendered) as base:
+            for answer in ask(base, served_model_name(rendered)):
+                verdict = "correct" if answer.correct else "WRONG"
+                print(f"  Q: {answer.prompt}")
+                print(f"     reasoning: {answer.reasoning!r}")
+                print(f"     answer:    {answer.content!r} ({verdict})")
+    except RuntimeError as err:
+        raise SystemExit(f"demo: {err}") from None
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@
 #
 #   e2e/kind/up.sh            # CPU-only cluster, examples/tiny.yaml
 #   e2e/kind/up.sh --gpu      # GPU worker via the NVIDIA container toolkit + device plugin
+#   e2e/kind/up.sh test       # the cluster suite against it (add --gpu for the GPU cluster)
 #   e2e/kind/up.sh down       # delete the cluster(s)
 #
-# Afterwards the same end-to-end suite as for the local control plane runs against it:
-#   KUBECONFIG=.cluster/kind-<name>.kubeconfig .venv/bin/pytest -m cluster
+# `test` runs the same end-to-end suite as `make test` runs on the local control plane, with the
+# chart's operator instead of one the tests start (SOVEREIGN_TEST_OPERATOR=external). Tests that
+# need kwok's fake 8x H200 nodes or a local operator process are skipped there, each with its reason.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,8 +24,9 @@ for arg in "$@"; do
     --gpu) gpu=true ;;
     --cpu) gpu=false ;;
     down) action=down ;;
-    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) echo "up.sh: unknown argument '$arg' (expected --gpu, --cpu or down)" >&2; exit 2 ;;
+    test) action="test" ;;
+    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "up.sh: unknown argument '$arg' (expected --gpu, --cpu, test or down)" >&2; exit 2 ;;
   esac
 done
 
@@ -50,6 +53,14 @@ if [[ "$action" == down ]]; then
     if kind get clusters 2>/dev/null | grep -qx "$c"; then kind delete cluster --name "$c"; fi
   done
   exit 0
+fi
+
+if [[ "$action" == test ]]; then
+  [[ -f "$kubeconfig" ]] || die "no kubeconfig for kind cluster $cluster; run e2e/kind/up.sh first"
+  make venv
+  KUBECONFIG="$kubeconfig" SOVEREIGN_TEST_OPERATOR=external SOVEREIGN_OPERATOR_NAMESPACE="$namespace" \
+    SOVEREIGN_OPERATOR_SELECTOR="app.kubernetes.io/name=sovereign,app.kubernetes.io/instance=sovereign" \
+    exec .venv/bin/pytest -m cluster tests/cluster tests/packaging/test_chart_install.py
 fi
 
 for tool in docker kind kubectl helm curl; do

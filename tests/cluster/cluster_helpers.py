@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -23,6 +24,10 @@ CRD_DIR = REPO / "crds"
 EXAMPLES = REPO / "examples"
 RBAC_RULES = REPO / "charts" / "sovereign" / "files" / "operator-rbac-rules.yaml"
 OPERATOR_CLI = REPO / ".venv" / "bin" / "sovereign-operator"
+# The kubectl built with the local control plane, else the user's (kind needs no Go build).
+KUBECTL = (
+    str(BIN / "kubectl") if (BIN / "kubectl").exists() else (shutil.which("kubectl") or str(BIN / "kubectl"))
+)
 
 OPERATOR_NAMESPACE = "sovereign-system"
 OPERATOR_SA = "sovereign-operator"
@@ -34,11 +39,13 @@ class Kubectl:
     """kubectl against one cluster, with JSON in and out."""
 
     kubeconfig: Path
+    # The project's local control plane (as opposed to a cluster KUBECONFIG names, e.g. kind).
+    local: bool = False
 
     def run(
         self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        cmd = [str(BIN / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        cmd = [KUBECTL, "--kubeconfig", str(self.kubeconfig), *args]
         proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(
@@ -83,7 +90,7 @@ def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 60, inter
 
 
 def reachable(kubeconfig: Path) -> bool:
-    if not (BIN / "kubectl").exists() or not kubeconfig.exists():
+    if not Path(KUBECTL).exists() or not kubeconfig.exists():
         return False
     return Kubectl(kubeconfig).run("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
 
@@ -151,6 +158,83 @@ class OperatorProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+class OperatorHandle(Protocol):
+    """What the tests need of the operator, wherever it runs."""
+
+    def start(self) -> None: ...
+    def kill(self) -> None: ...
+    def assert_alive(self) -> None: ...
+    def tail(self, lines: int = 40) -> str: ...
+
+
+@dataclass
+class ExternalOperator:
+    """An operator the test session did not start: normally the chart's Deployment on a cluster whose
+    pods really run (kind, a staging cluster), selected with SOVEREIGN_TEST_OPERATOR=external.
+
+    `kill` deletes its pods at once, as a crash or an eviction would; `start` waits until its
+    Deployment is available again (the Deployment controller brings the pod back).
+    """
+
+    kube: Kubectl
+    namespace: str
+    selector: str
+
+    def deployment(self) -> dict[str, Any] | None:
+        items = self.kube.items("deployments", "-n", self.namespace, "-l", self.selector)
+        return items[0] if items else None
+
+    def start(self) -> None:
+        wait_for(f"the operator Deployment in {self.namespace} available", self._available, timeout=300)
+
+    def kill(self) -> None:
+        self.kube.run(
+            "delete",
+            "pods",
+            "-n",
+            self.namespace,
+            "-l",
+            self.selector,
+            "--grace-period=0",
+            "--force",
+            "--wait=false",
+        )
+
+    def _available(self) -> bool:
+        dep = self.deployment()
+        return bool(dep and int(dep.get("status", {}).get("availableReplicas") or 0) >= 1)
+
+    def assert_alive(self) -> None:
+        # Between kill and start the pod is legitimately gone; only a missing Deployment is fatal.
+        assert self.deployment() is not None, (
+            f"no operator Deployment matches -l {self.selector} in namespace {self.namespace} "
+            "(set SOVEREIGN_OPERATOR_NAMESPACE / SOVEREIGN_OPERATOR_SELECTOR)"
+        )
+
+    def tail(self, lines: int = 40) -> str:
+        dep = self.deployment()
+        if dep is None:
+            return ""
+        proc = self.kube.run(
+            "logs",
+            "-n",
+            self.namespace,
+            f"deployment/{dep['metadata']['name']}",
+            f"--tail={lines}",
+            check=False,
+        )
+        return proc.stdout or proc.stderr
+
+
+def has_fake_gpu_nodes(kube: Kubectl) -> bool:
+    """Whether the cluster has kwok's fake GPU nodes (the local control plane), whose capacity the
+    tests may rewrite (RDMA on/off) and whose pods start without images or weights."""
+    return any(
+        node["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") == "fake"
+        for node in kube.items("nodes", "-l", GPU_NODE_SELECTOR)
+    )
+
+
 def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
     """The status condition of type `kind`, if present."""
     if not obj:
@@ -159,6 +243,35 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
         if cond.get("type") == kind:
             return dict(cond)
     return None
+
+
+def get_llmd(kube: Kubectl, ns: str, name: str) -> dict[str, Any]:
+    return kube.get("llmd", name, "-n", ns)
+
+
+def is_ready(kube: Kubectl, ns: str, name: str) -> dict[str, Any] | None:
+    obj = get_llmd(kube, ns, name)
+    cond = condition(obj, "Ready")
+    if (
+        cond
+        and cond["status"] == "True"
+        and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+    ):
+        return obj
+    return None
+
+
+def wait_ready(kube: Kubectl, op: OperatorHandle, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        op.assert_alive()
+        return is_ready(kube, ns, name)
+
+    try:
+        return wait_for(f"{ns}/{name} Ready=True", ready, timeout=timeout)
+    except AssertionError as err:
+        raise AssertionError(
+            f"{err}\nstatus: {json.dumps(get_llmd(kube, ns, name).get('status'))}\n{op.tail()}"
+        ) from None
 
 
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"

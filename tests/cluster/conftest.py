@@ -6,6 +6,15 @@ kube-controller-manager and kube-scheduler, kwok for fake GPU nodes) or reuses t
 least-privilege identity the Helm chart grants (a ServiceAccount bound to
 `charts/sovereign/files/operator-rbac-rules.yaml`, authenticated with its token). Each test gets
 its own namespace. Everything talks to the cluster through the kubectl built next to it.
+
+On a cluster whose pods really run (kind: `e2e/kind/up.sh test`), SOVEREIGN_TEST_OPERATOR=external
+uses the operator already installed there (the chart's Deployment, found by
+SOVEREIGN_OPERATOR_NAMESPACE and SOVEREIGN_OPERATOR_SELECTOR) instead of starting one. Tests that
+need what only the local control plane has say so with a marker, and are skipped, with the reason,
+on other clusters; on the local control plane they always run:
+- `fake_gpu_nodes`: kwok's fake 8x H200 nodes, whose RDMA capacity the tests switch on and off and
+  whose pods become Ready without images or weights;
+- `local_operator`: the operator as a process on this machine (it must reach a server on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ from cluster_helpers import (
     CLUSTER_SH,
     CRD_DIR,
     REPO,
+    ExternalOperator,
     Kubectl,
+    OperatorHandle,
     OperatorProcess,
+    has_fake_gpu_nodes,
     local_kubeconfig,
     make_operator_kubeconfig,
     reachable,
@@ -34,6 +46,22 @@ from cluster_helpers import (
 # Every namespace of this session starts with this prefix and the session's operator watches only
 # those, so two sessions on one cluster (CI retries, engineers sharing .cluster) never fight.
 SESSION_PREFIX = f"t{secrets.token_hex(2)}-"
+
+OPERATOR_MODES = ("process", "external")
+
+
+def operator_mode() -> str:
+    mode = os.environ.get("SOVEREIGN_TEST_OPERATOR", "process")
+    if mode not in OPERATOR_MODES:
+        raise pytest.UsageError(
+            f"SOVEREIGN_TEST_OPERATOR={mode!r}: expected one of {', '.join(OPERATOR_MODES)}"
+        )
+    return mode
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fake_gpu_nodes: needs kwok's fake GPU nodes (local control plane)")
+    config.addinivalue_line("markers", "local_operator: needs the operator as a process on this machine")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -53,9 +81,15 @@ def kube() -> Kubectl:
     named = os.environ.get("KUBECONFIG")
     if named and reachable(Path(named)):
         kubectl = Kubectl(Path(named))
+    elif operator_mode() == "external":
+        # An external operator lives on the user's cluster: never fall back to a local one.
+        pytest.fail(
+            f"SOVEREIGN_TEST_OPERATOR=external needs KUBECONFIG to name a reachable cluster (got {named!r})"
+        )
     else:
         subprocess.run([str(CLUSTER_SH), "up"], check=True, timeout=3600)
         kubectl = Kubectl(local_kubeconfig())
+    kubectl.local = kubectl.kubeconfig.resolve() == local_kubeconfig().resolve()
     # Large CRDs exceed the client-side apply annotation limit: apply server-side.
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
     kubectl.run("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
@@ -93,6 +127,25 @@ def module_namespace(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[
         yield name
 
 
+@pytest.fixture(autouse=True)
+def _cluster_capabilities(request: pytest.FixtureRequest) -> None:
+    """Skip, naming what is missing, a test that needs what only the local control plane has."""
+    needs_fake_nodes = request.node.get_closest_marker("fake_gpu_nodes") is not None
+    needs_local_operator = request.node.get_closest_marker("local_operator") is not None
+    if not (needs_fake_nodes or needs_local_operator):
+        return
+    kube: Kubectl = request.getfixturevalue("kube")
+    missing = []
+    if needs_fake_nodes and not has_fake_gpu_nodes(kube):
+        # The local control plane always has them: there, their absence is a broken setup, not a skip.
+        assert not kube.local, "the local control plane has no fake GPU nodes (e2e/cluster/kwok/nodes.yaml)"
+        missing.append("kwok's fake GPU nodes (the local control plane's)")
+    if needs_local_operator and operator_mode() != "process":
+        missing.append("the operator as a local process (SOVEREIGN_TEST_OPERATOR=external is set)")
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)}")
+
+
 @pytest.fixture(scope="session")
 def operator_kubeconfig(kube: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A kubeconfig for the operator's ServiceAccount, bound to exactly the chart's RBAC rules."""
@@ -100,10 +153,23 @@ def operator_kubeconfig(kube: Kubectl, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="session")
-def operator(
-    kube: Kubectl, operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    """The operator, running for the whole session under its least-privilege identity."""
+def operator(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[OperatorHandle]:
+    """The operator, running for the whole session under its least-privilege identity: a process
+    this session starts (default), or the one already installed (SOVEREIGN_TEST_OPERATOR=external)."""
+    if operator_mode() == "external":
+        external = ExternalOperator(
+            kube,
+            namespace=os.environ.get("SOVEREIGN_OPERATOR_NAMESPACE", "sovereign-system"),
+            selector=os.environ.get("SOVEREIGN_OPERATOR_SELECTOR", "app.kubernetes.io/name=sovereign"),
+        )
+        external.assert_alive()
+        external.start()
+        yield external
+        return
+    yield from _operator_process(kube, request.getfixturevalue("operator_kubeconfig"))
+
+
+def _operator_process(kube: Kubectl, operator_kubeconfig: Path) -> Iterator[OperatorProcess]:
     # Logs live in .cluster/test-logs (git-ignored), not in pytest's rotating temp dirs.
     log_dir = REPO / ".cluster" / "test-logs"
     log_dir.mkdir(parents=True, exist_ok=True)

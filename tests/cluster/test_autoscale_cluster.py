@@ -14,9 +14,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from cluster_helpers import Kubectl, OperatorProcess, condition, wait_for
+from cluster_helpers import Kubectl, OperatorHandle, condition, wait_for
 
-pytestmark = pytest.mark.cluster
+# The operator must reach the replayed Prometheus on 127.0.0.1, and the pods need fake GPU nodes.
+pytestmark = [pytest.mark.cluster, pytest.mark.fake_gpu_nodes, pytest.mark.local_operator]
 
 IMAGE = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
 
@@ -110,7 +111,7 @@ def pool(kube: Kubectl, ns: str, name: str, fake: FakePrometheus) -> tuple[int, 
 
 
 def test_replicas_follow_replayed_load_and_status_explains(
-    kube: Kubectl, operator: OperatorProcess, namespace: str, prometheus: FakePrometheus
+    kube: Kubectl, operator: OperatorHandle, namespace: str, prometheus: FakePrometheus
 ) -> None:
     kube.apply(autoscaled_llmd("auto", prometheus.url), namespace)
     wait_for(

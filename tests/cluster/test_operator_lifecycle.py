@@ -9,7 +9,6 @@ seconds, so every transition below is the one a real cluster would show.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from typing import Any
 
@@ -19,15 +18,18 @@ from cluster_helpers import (
     OPERATOR_SA,
     RDMA_RESOURCE,
     Kubectl,
-    OperatorProcess,
+    OperatorHandle,
     audit_log_path,
     audited_writes,
     condition,
+    get_llmd,
     set_rdma,
     wait_for,
+    wait_ready,
 )
 
-pytestmark = pytest.mark.cluster
+# The GPU example needs fake 8x H200 nodes and RDMA capacity the tests can switch (kwok's).
+pytestmark = [pytest.mark.cluster, pytest.mark.fake_gpu_nodes]
 
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
@@ -78,37 +80,6 @@ def worker_container(sts: dict[str, Any]) -> dict[str, Any]:
     return next((c for c in containers if c["image"].startswith("ghcr.io/sovereign-ai/")), containers[0])
 
 
-def get_llmd(kube: Kubectl, ns: str, name: str) -> dict[str, Any]:
-    return kube.get("llmd", name, "-n", ns)
-
-
-def is_ready(kube: Kubectl, ns: str, name: str) -> dict[str, Any] | None:
-    obj = get_llmd(kube, ns, name)
-    cond = condition(obj, "Ready")
-    if (
-        cond
-        and cond["status"] == "True"
-        and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
-    ):
-        return obj
-    return None
-
-
-def wait_ready(
-    kube: Kubectl, op: OperatorProcess, ns: str, name: str, timeout: float = 120
-) -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        op.assert_alive()
-        return is_ready(kube, ns, name)
-
-    try:
-        return wait_for(f"{ns}/{name} Ready=True", ready, timeout=timeout)
-    except AssertionError as err:
-        raise AssertionError(
-            f"{err}\nstatus: {json.dumps(get_llmd(kube, ns, name).get('status'))}\n{op.tail()}"
-        ) from None
-
-
 def owned_by(obj: dict[str, Any], llmd: dict[str, Any]) -> bool:
     return any(
         ref.get("uid") == llmd["metadata"]["uid"] and ref.get("controller")
@@ -128,7 +99,7 @@ def _rdma_on(kube: Kubectl) -> None:
 
 
 def test_create_schedules_gpu_pods_and_becomes_ready(
-    kube: Kubectl, operator: OperatorProcess, namespace: str
+    kube: Kubectl, operator: OperatorHandle, namespace: str
 ) -> None:
     kube.apply(gpu_llmd("ds"), namespace)
     llmd = get_llmd(kube, namespace, "ds")
@@ -182,7 +153,7 @@ def test_create_schedules_gpu_pods_and_becomes_ready(
 
 
 def test_update_image_replicas_and_resources_reach_the_statefulsets(
-    kube: Kubectl, operator: OperatorProcess, namespace: str
+    kube: Kubectl, operator: OperatorHandle, namespace: str
 ) -> None:
     kube.apply(gpu_llmd("ds", prefill=1, decode=1), namespace)
     wait_ready(kube, operator, namespace, "ds")
@@ -225,7 +196,7 @@ def test_update_image_replicas_and_resources_reach_the_statefulsets(
 
 
 def test_delete_lets_the_garbage_collector_remove_every_child(
-    kube: Kubectl, operator: OperatorProcess, namespace: str
+    kube: Kubectl, operator: OperatorHandle, namespace: str
 ) -> None:
     kube.apply(gpu_llmd("ds", decode=1), namespace)
     wait_ready(kube, operator, namespace, "ds")
@@ -240,7 +211,7 @@ def test_delete_lets_the_garbage_collector_remove_every_child(
 
 
 def test_deleting_the_namespace_completes_under_the_namespace_restricted_operator(
-    kube: Kubectl, operator: OperatorProcess, namespace: str
+    kube: Kubectl, operator: OperatorHandle, namespace: str
 ) -> None:
     # The session's operator serves only `--namespace=<prefix>*`: kopf observes the Namespaces and
     # stops serving one marked for deletion. With no finalizer on the objects that cannot hang.
@@ -260,7 +231,7 @@ def test_deleting_the_namespace_completes_under_the_namespace_restricted_operato
     assert time.monotonic() - started < 60
 
 
-def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorProcess, namespace: str) -> None:
+def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorHandle, namespace: str) -> None:
     kube.apply(gpu_llmd("ds", decode=1), namespace)
     wait_ready(kube, operator, namespace, "ds")
     # Let the last status write and the pods' Ready transitions settle.
@@ -283,7 +254,7 @@ def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorProcess, 
 
 
 def test_operator_restart_mid_rollout_converges_without_duplicates(
-    kube: Kubectl, operator: OperatorProcess, namespace: str
+    kube: Kubectl, operator: OperatorHandle, namespace: str
 ) -> None:
     kube.apply(gpu_llmd("ds", decode=1), namespace)
     wait_for("the first child", lambda: children(kube, namespace, "ds"))
@@ -320,7 +291,7 @@ def test_operator_restart_mid_rollout_converges_without_duplicates(
     ("rdma", "expected"), [(False, "unified"), (True, "disaggregated")], ids=["no-rdma", "rdma"]
 )
 def test_auto_mode_follows_the_clusters_rdma(
-    kube: Kubectl, operator: OperatorProcess, namespace: str, rdma: bool, expected: str
+    kube: Kubectl, operator: OperatorHandle, namespace: str, rdma: bool, expected: str
 ) -> None:
     set_rdma(kube, rdma)
     try:

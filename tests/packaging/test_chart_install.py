@@ -114,6 +114,10 @@ def release(cluster: Cluster) -> Iterator[dict[str, str]]:
         "grafanaDashboard.enabled=true",
         "--set",
         "argocd.healthCheck.enabled=true",
+        # Where pods really run (kind), this release's operator starts: keep it to its own namespace
+        # so it never competes with the operator the cluster already has for the tests' objects.
+        "--set",
+        f"operator.watchNamespaces={{{rel['namespace']}}}",
     )
     rel["fullname"] = f"{rel['name']}-sovereign"
     rel["sa"] = f"system:serviceaccount:{rel['namespace']}:{rel['fullname']}"
