@@ -71,7 +71,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name", metavar="NAME", help="model id clients send (default: from --model)"
     )
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="shard the model over N processes (one per GPU on CUDA); this one serves HTTP",
+    )
+    # Set by rank 0 on the worker processes it starts for --tensor-parallel-size (not for people).
+    p.add_argument("--tp-rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--tp-rendezvous", metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument(
         "--max-model-len", type=_positive_int, metavar="TOKENS", help="context length (default: config)"
     )
@@ -169,12 +178,37 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
         return "127.0.0.1"
 
 
+def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:
+    """Refuse a --tensor-parallel-size this model, role or machine cannot run, before starting anything."""
+    size = args.tensor_parallel_size
+    if args.role != "unified":
+        # The decode role writes received KV into rank 0's cache only; the workers' caches would miss it.
+        raise UsageError(f"serve: --tensor-parallel-size {size} is only supported with --role unified so far")
+    from .model.config import ModelConfig
+    from .model.parallel import tensor_parallel_problem
+
+    problem = tensor_parallel_problem(ModelConfig.from_pretrained(model_path), size)
+    if problem:
+        raise UsageError(f"serve: {problem}")
+    if args.device in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available() or args.device == "cuda":
+            visible = torch.cuda.device_count()
+            if size > visible:
+                raise UsageError(
+                    f"serve: --tensor-parallel-size {size} needs {size} CUDA devices; {visible} visible"
+                )
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    if args.tensor_parallel_size != 1:
-        raise UsageError("serve: --tensor-parallel-size > 1 is not implemented yet; use 1")
     model_path = resolve_model(args.model)
-    api_key = read_api_key(args.api_key_file)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tp_rank is not None:
+        return _run_tensor_parallel_worker(args, model_path)
+    if args.tensor_parallel_size > 1:
+        check_tensor_parallel(args, model_path)
+    api_key = read_api_key(args.api_key_file)
     if args.speculative_algorithm:
         # Speculation never changes what is generated, only how fast: serving without it is correct.
         logging.getLogger("sovereign_runtime").warning(
@@ -223,9 +257,41 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
         name,
     )
-    app = create_app(config, loader=disagg.wrap_loader(make_loader(options)))
-    disagg.install(app)
-    return asyncio.run(serve(app, args.host, args.port))
+    if args.tensor_parallel_size == 1:
+        app = create_app(config, loader=disagg.wrap_loader(make_loader(options)))
+        disagg.install(app)
+        return asyncio.run(serve(app, args.host, args.port))
+
+    from .engine.tensor_parallel import spawn_workers
+
+    # Spawned before loading, so every rank reads its shard at the same time.
+    options.tensor_parallel = group = spawn_workers(args.serve_argv, args.tensor_parallel_size)
+    group.watch()
+    try:
+        app = create_app(config, loader=disagg.wrap_loader(make_loader(options)))
+        disagg.install(app)
+        return asyncio.run(serve(app, args.host, args.port))
+    finally:
+        group.stop(timeout_s=5.0)  # normally already stopped by the runtime's close; kills stragglers
+
+
+def _run_tensor_parallel_worker(args: argparse.Namespace, model_path: Path) -> int:
+    import torch
+
+    from .engine.tensor_parallel import serve_worker
+    from .server.loading import resolve_device
+
+    if args.tp_rendezvous is None or not 0 < args.tp_rank < args.tensor_parallel_size:
+        raise UsageError("serve: --tp-rank and --tp-rendezvous are set by rank 0 for its workers")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    return serve_worker(
+        model_path,
+        resolve_device(args.device),
+        dtype,
+        args.tp_rank,
+        args.tensor_parallel_size,
+        args.tp_rendezvous,
+    )
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
@@ -269,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
+        args.serve_argv = argv  # what tensor-parallel workers are started with
         if getattr(args, "_missing", None):
             raise UsageError(f"sovereign-runtime {args._missing}: not available in this installation")
         return _SUBCOMMANDS[args.command][2](args)

@@ -25,8 +25,10 @@ class MTPLayer(DecoderLayer):
     subclasses ``DecoderLayer`` and adds its projections and the shared head.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__(config, layer_idx, rotary)
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp_size: int = 1
+    ) -> None:
+        super().__init__(config, layer_idx, rotary, tp_size)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = _linear(2 * config.hidden_size, config.hidden_size)
@@ -41,10 +43,12 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, tp_size) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -52,17 +56,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     """``model(input_ids, positions) -> hidden [tokens, hidden]`` under an ``attention_context``.
 
     Bind the paged cache first with ``bind_kv_cache``; ``compute_logits`` maps the rows you need to fp32 logits.
+    ``tp_size`` > 1 builds one tensor-parallel rank's shard (model/parallel.py); every rank of the group must
+    then run each forward together.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
+        self.tp_size = tp_size
         rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim, config.max_position_embeddings)
-        self.model = DeepseekV3Model(config, rotary)
+        self.model = DeepseekV3Model(config, rotary, tp_size)
         self.lm_head = _linear(config.hidden_size, config.vocab_size)
         n = config.num_hidden_layers
         self.mtp = nn.ModuleList(
-            MTPLayer(config, n + k, rotary) for k in range(config.num_nextn_predict_layers)
+            MTPLayer(config, n + k, rotary, tp_size) for k in range(config.num_nextn_predict_layers)
         )
 
     def attention_layers(self) -> list[nn.Module]:

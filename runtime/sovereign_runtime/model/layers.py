@@ -14,6 +14,7 @@ from ..kernels.mla_decode import context_slots, mla_decode, mla_decode_gathered
 from .config import ModelConfig
 from .context import AttentionMetadata, get_attention_metadata
 from .fp8 import dense_weight
+from .parallel import reduce_partial_sums
 from .rope import RotaryEmbedding
 
 
@@ -142,15 +143,17 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Routed + shared experts. Under tensor parallelism (``tp_size`` > 1) every expert holds its 1/N slice
+    of the intermediate dim and the output is this rank's partial sum (the decoder layer reduces it)."""
+
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
         n = int(config.n_routed_experts or 0)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(n))
+        width = config.moe_intermediate_size // tp_size
+        self.experts = nn.ModuleList(MLP(config.hidden_size, width) for _ in range(n))
         self.gate = Router(config)
         self.shared_experts = (
-            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
-            if config.n_shared_experts
-            else None
+            MLP(config.hidden_size, width * config.n_shared_experts) if config.n_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,11 +213,12 @@ class MLAAttention(nn.Module):
     absorb_context_ratio: int = 16
     prefill_form: str = "auto"
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
         self.rotary = rotary
-        self.num_heads = config.num_attention_heads
+        # Under tensor parallelism this rank's heads; o_proj then yields a partial sum the layer reduces.
+        self.num_heads = config.num_attention_heads // tp_size
         self.scale = config.softmax_scale
         h, d = config.hidden_size, config.qk_head_dim
         if config.q_lora_rank is None:
@@ -385,17 +389,26 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """Attention then MLP/MoE, each residual. With ``tp_size`` > 1 both halves are sharded
+    (model/parallel.py) and each ends with one all-reduce of the ranks' partial sums."""
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp_size: int = 1
+    ) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, rotary)
+        self.tp_size = tp_size
+        self.self_attn = MLAAttention(config, rotary, tp_size)
         self.mlp: nn.Module = (
-            MoE(config)
+            MoE(config, tp_size)
             if config.is_moe_layer(layer_idx)
-            else MLP(config.hidden_size, config.intermediate_size)
+            else MLP(config.hidden_size, config.intermediate_size // tp_size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.tp_size == 1:
+            x = x + self.self_attn(self.input_layernorm(x), positions)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + reduce_partial_sums(self.self_attn(self.input_layernorm(x), positions), self.tp_size)
+        return x + reduce_partial_sums(self.mlp(self.post_attention_layernorm(x)), self.tp_size)

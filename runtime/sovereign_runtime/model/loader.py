@@ -13,6 +13,7 @@ from safetensors import safe_open
 from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .fp8 import dequantize_fp8_block, swap_in_fp8_linears
+from .parallel import TensorParallel, shard, shard_dim
 
 # Tensors that stay fp32 whatever the model dtype (the router decides in fp32, as in the reference).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -64,12 +65,18 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     keep_fp8: bool | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> tuple[DeepseekV3ForCausalLM, ModelConfig]:
     """Build the model from ``path`` (config.json + safetensors) on ``device``.
 
     ``dtype`` defaults to the checkpoint's dtype on CPU and bf16 on GPU. FP8 block-quantised weights are
     dequantised to ``dtype`` at load time, or with ``keep_fp8`` (default: on CUDA) stay e4m3 in ``Fp8Linear``
     modules that dequantise per call, so V3's weights fit in FP8-sized memory.
+
+    ``tensor_parallel`` loads only this rank's shard (model/parallel.py says what is split how). A split FP8
+    weight stays e4m3 when its slice is whole 128×128 blocks (V3's at TP 8: the slice's e4m3 values and
+    scale rows/columns are taken as they are); otherwise it is dequantised on the CPU and the dense copy is
+    split, which is always exact and only costs memory on dims no real checkpoint has.
     """
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
@@ -78,8 +85,9 @@ def load_model(
         dtype = torch.bfloat16 if device.type == "cuda" else config.torch_dtype
     if keep_fp8 is None:
         keep_fp8 = device.type == "cuda"
+    tp = tensor_parallel or TensorParallel()
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = DeepseekV3ForCausalLM(config, tp.size)
 
     with open_checkpoint(path) as raw:
         if keep_fp8:
@@ -89,10 +97,12 @@ def load_model(
                 if n.endswith(".weight_scale_inv")
             }
             modules = {n[: -len(".weight")] for n in quantised if n is not None}
+            if tp.size > 1:
+                modules = {m for m in modules if _fp8_slice_is_whole_blocks(model, m, config)}
             with torch.device("meta"):
                 swap_in_fp8_linears(model, modules, config.fp8_block_size)
         expected = dict(model.state_dict())
-        state = _load_state(raw, config, expected, device, dtype, path)
+        state = _load_state(raw, config, expected, device, dtype, path, tp)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
@@ -103,6 +113,16 @@ def load_model(
     return model.eval(), config
 
 
+def _fp8_slice_is_whole_blocks(model: DeepseekV3ForCausalLM, module: str, config: ModelConfig) -> bool:
+    """Whether this rank's slice of FP8 linear ``module`` (already built at its sharded shape) is whole
+    scale blocks along the split dimension; replicated modules always are."""
+    dim = shard_dim(module + ".weight")
+    if dim is None:
+        return True
+    local = model.get_submodule(module).weight.shape[dim]
+    return local % config.fp8_block_size[dim] == 0
+
+
 def _load_state(
     raw: dict[str, Callable[[], torch.Tensor]],
     config: ModelConfig,
@@ -110,6 +130,7 @@ def _load_state(
     device: torch.device,
     dtype: torch.dtype,
     path: Path,
+    tp: TensorParallel,
 ) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     block = config.fp8_block_size
@@ -117,24 +138,58 @@ def _load_state(
         target = _module_name(name, config)
         if target is None:
             continue
+        split = shard_dim(target) if tp.size > 1 else None
         if name.endswith("weight_scale_inv"):
-            if target in expected:  # kept for an Fp8Linear
-                state[target] = load().to(device=device, dtype=torch.float32)
+            if target in expected:  # kept for an Fp8Linear (a split one only when its slice is whole blocks)
+                scale = load() if split is None else shard(load(), split, tp)
+                state[target] = scale.to(device=device, dtype=torch.float32)
             continue
         if target not in expected:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint {path}")
-        tensor = load().to(device)
         scale_name = name[: -len("weight")] + "weight_scale_inv"
         want = torch.float32 if target.endswith(_FP32_SUFFIXES) else dtype
-        if expected[target].dtype == torch.float8_e4m3fn:  # an Fp8Linear keeps the e4m3 weight
-            tensor = tensor.to(torch.float8_e4m3fn)
-        elif scale_name in raw:
-            tensor = dequantize_fp8_block(tensor, raw[scale_name]().to(device), block, want)
+        if split is not None:
+            tensor = _load_shard(load, raw.get(scale_name), expected[target].dtype, want, block, split, tp)
+            tensor = tensor.to(device)
         else:
-            tensor = tensor.to(want)
+            tensor = _load_whole(load, raw.get(scale_name), expected[target].dtype, want, block, device)
         if tuple(tensor.shape) != tuple(expected[target].shape):
             raise ValueError(
                 f"{name}: shape {tuple(tensor.shape)} != expected {tuple(expected[target].shape)}"
             )
         state[target] = tensor
     return state
+
+
+def _load_whole(
+    load: Callable[[], torch.Tensor],
+    load_scale: Callable[[], torch.Tensor] | None,
+    param_dtype: torch.dtype,
+    want: torch.dtype,
+    block: tuple[int, int],
+    device: torch.device,
+) -> torch.Tensor:
+    tensor = load().to(device)
+    if param_dtype == torch.float8_e4m3fn:  # an Fp8Linear keeps the e4m3 weight
+        return tensor.to(torch.float8_e4m3fn)
+    if load_scale is not None:
+        return dequantize_fp8_block(tensor, load_scale().to(device), block, want)
+    return tensor.to(want)
+
+
+def _load_shard(
+    load: Callable[[], torch.Tensor],
+    load_scale: Callable[[], torch.Tensor] | None,
+    param_dtype: torch.dtype,
+    want: torch.dtype,
+    block: tuple[int, int],
+    dim: int,
+    tp: TensorParallel,
+) -> torch.Tensor:
+    """This rank's slice of a split weight, made on the CPU (only the slice goes to the device)."""
+    tensor = load()
+    if param_dtype == torch.float8_e4m3fn:  # whole-block slice: e4m3 values as stored
+        return shard(tensor, dim, tp).to(torch.float8_e4m3fn)
+    if load_scale is not None:  # dequantise the whole weight, then split: exact for any block alignment
+        tensor = dequantize_fp8_block(tensor, load_scale(), block, want)
+    return shard(tensor, dim, tp).to(want)

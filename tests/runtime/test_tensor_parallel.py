@@ -1,0 +1,267 @@
+"""Tensor parallelism on CPU with gloo: sharded logits equal one rank's, the server's greedy answers equal
+the single-process server's, bad sizes are refused, and no worker process outlives rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from server_support import free_port, write_byte_tokenizer
+from sovereign_runtime.builtin.tasks import check_answer, make_questions
+from sovereign_runtime.cli import main
+from sovereign_runtime.model import Fp8Linear, load_model
+from sovereign_runtime.model.config import ModelConfig
+from sovereign_runtime.model.parallel import TensorParallel, tensor_parallel_problem
+from tp_support import run_scenario
+
+HERE = Path(__file__).parent
+BUILTIN = "builtin:sovereign-tiny"
+# One thread per process: the tests start several processes on a small shared machine.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+
+def test_problem_names_the_dims_that_must_divide_and_the_valid_sizes(tiny_checkpoint: Path) -> None:
+    config = ModelConfig.from_pretrained(tiny_checkpoint)  # 4 heads, intermediate 128, experts 32 wide
+    assert tensor_parallel_problem(config, 1) is None
+    assert tensor_parallel_problem(config, 2) is None
+    assert tensor_parallel_problem(config, 4) is None
+    problem = tensor_parallel_problem(config, 3)
+    assert problem is not None
+    assert "--tensor-parallel-size 3" in problem
+    assert "num_attention_heads (4)" in problem and "moe_intermediate_size (32)" in problem
+    assert problem.endswith("valid sizes for this model: 1, 2, 4")
+    assert "valid sizes for this model: 1, 2, 4" in (tensor_parallel_problem(config, 8) or "")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--tensor-parallel-size", "3"], "valid sizes for this model: 1, 2, 4"),
+        (["--tensor-parallel-size", "8"], "must divide num_attention_heads (4)"),
+        (["--tensor-parallel-size", "2", "--device", "cuda"], "needs 2 CUDA devices"),
+        (["--tensor-parallel-size", "2", "--role", "decode"], "only supported with --role unified"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    ],
+)
+def test_serve_refuses_a_size_it_cannot_run_with_exit_2(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if "cuda" in flags and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 CUDA devices, so TP 2 on CUDA is valid here")
+    code = main(["serve", "--model", BUILTIN, *flags])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "--tensor-parallel-size" in lines[0], err
+
+
+# ---- sharded loading --------------------------------------------------------------------------------
+
+
+def test_fp8_shards_of_whole_blocks_stay_e4m3_and_others_are_split_dense(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    # 256-wide MLPs split into 128-row slices (whole FP8 blocks) at TP 2; the 4 heads' 96 query rows
+    # split into 48 rows, which are not, so attention falls back to dequantise-then-split.
+    path = tiny_checkpoint_factory(fp8=True, intermediate_size=256, moe_intermediate_size=256, mtp=False)
+    whole, _ = load_model(path, "cpu", keep_fp8=True)
+    ranks = [load_model(path, "cpu", keep_fp8=True, tensor_parallel=TensorParallel(r, 2))[0] for r in (0, 1)]
+
+    def dense(model: torch.nn.Module, name: str) -> torch.Tensor:
+        module = model.get_submodule(name)
+        return module.dense_weight(torch.float32) if isinstance(module, Fp8Linear) else module.weight
+
+    cases = {
+        "model.layers.0.mlp.gate_proj": (0, True),
+        "model.layers.0.mlp.down_proj": (1, True),
+        "model.layers.1.mlp.experts.3.up_proj": (0, True),
+        "model.layers.1.mlp.shared_experts.down_proj": (1, True),
+        "model.layers.1.self_attn.q_b_proj": (0, False),
+        "model.layers.1.self_attn.kv_b_proj": (0, False),
+        "model.layers.1.self_attn.o_proj": (1, False),
+    }
+    for name, (dim, stays_fp8) in cases.items():
+        assert isinstance(whole.get_submodule(name), Fp8Linear), name
+        for model in ranks:
+            assert isinstance(model.get_submodule(name), Fp8Linear) == stays_fp8, name
+        joined = torch.cat([dense(model, name) for model in ranks], dim=dim)
+        assert torch.equal(joined, dense(whole, name)), name
+    # Replicated FP8 weights stay whole and e4m3 on every rank.
+    for model in ranks:
+        replicated = model.get_submodule("model.layers.1.self_attn.kv_a_proj_with_mqa")
+        assert isinstance(replicated, Fp8Linear)
+        assert torch.equal(replicated.weight, whole.model.layers[1].self_attn.kv_a_proj_with_mqa.weight)
+
+
+# ---- sharded forward: every step's logits against one rank ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variant", "world_size"),
+    [("q_lora", 2), ("q_lora", 4), ("no_q_lora", 2), ("fp8", 2)],
+)
+def test_sharded_logits_and_greedy_tokens_equal_one_rank(
+    variant: str,
+    world_size: int,
+    tiny_checkpoint_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    options = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "fp8": {"fp8": True}}[variant]
+    # Workers resolve --model as serve does, which wants a tokenizer next to the weights.
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_factory(**options), checkpoint)
+    write_byte_tokenizer(checkpoint)
+    expected = run_scenario(load_model(checkpoint, "cpu")[0])
+
+    out = tmp_path / "tp.pt"
+    script = [sys.executable, str(HERE / "tp_support.py"), str(checkpoint), str(world_size), str(out)]
+    done = subprocess.run(script, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = torch.load(out)
+    for step in ("prefill", "decode", "mixed"):
+        torch.testing.assert_close(got[step], expected[step], rtol=1e-5, atol=1e-4, msg=step)
+    assert got["greedy"] == expected["greedy"]
+
+
+# ---- the server -------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Field 4 (after the parenthesised command, which may hold spaces) is the parent pid.
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@contextmanager
+def _server(tensor_parallel_size: int) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sovereign_runtime", "serve", "--model", BUILTIN,
+        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--num-kv-blocks", "64",
+        "--max-num-seqs", "4", "--tensor-parallel-size", str(tensor_parallel_size),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+    workers: list[int] = []
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        workers = _children(proc.pid)
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+        for pid in _wait_gone(workers, 10):  # never leave a stray process behind, even on failure
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_ready(proc: subprocess.Popen[str], base: str) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, "never became ready"
+        try:
+            with urllib.request.urlopen(base + "/health/ready", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.1)
+
+
+def _chat(base: str, prompt: str) -> str:
+    body = {
+        "model": BUILTIN,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": 64,
+    }
+    request = urllib.request.Request(
+        base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return str(json.loads(resp.read())["choices"][0]["message"]["content"])
+
+
+def _wait_workers(proc: subprocess.Popen[str], count: int) -> list[int]:
+    deadline = time.monotonic() + 10
+    while len(workers := _children(proc.pid)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return workers
+
+
+def test_tp2_server_answers_as_tp1_does_and_sigterm_stops_its_worker() -> None:
+    # The built-in model splits by 2: 4 heads, intermediate 384, experts 128 wide.
+    questions = make_questions(4, seed=11)
+    with _server(1) as (single, single_url), _server(2) as (sharded, sharded_url):
+        _wait_ready(single, single_url)
+        _wait_ready(sharded, sharded_url)
+        workers = _wait_workers(sharded, 1)
+        assert len(workers) == 1, workers
+        for q in questions:
+            answer = _chat(sharded_url, q.prompt)
+            assert answer == _chat(single_url, q.prompt), q.prompt
+            assert check_answer(q, answer), (q.prompt, answer)
+        sharded.send_signal(signal.SIGTERM)
+        out, _ = sharded.communicate(timeout=30)
+        assert sharded.returncode == 0, out[-4000:]
+        assert _wait_gone(workers, 5) == []
+
+
+def test_killing_rank0_leaves_no_worker_behind() -> None:
+    with _server(2) as (proc, base):
+        _wait_ready(proc, base)
+        workers = _wait_workers(proc, 1)
+        assert len(workers) == 1, workers
+        proc.kill()  # SIGKILL: no cleanup runs in rank 0
+        proc.communicate(timeout=30)
+        assert _wait_gone(workers, 10) == []
+
+
+def test_a_worker_crash_makes_rank0_exit_nonzero() -> None:
+    with _server(2) as (proc, base):
+        _wait_ready(proc, base)
+        workers = _wait_workers(proc, 1)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1, out[-4000:]
+        assert "tensor-parallel rank 1 exited" in out
