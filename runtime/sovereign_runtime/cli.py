@@ -179,11 +179,8 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
 
 
 def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:
-    """Refuse a --tensor-parallel-size this model, role or machine cannot run, before starting anything."""
+    """Refuse a --tensor-parallel-size this model or machine cannot run, before starting anything."""
     size = args.tensor_parallel_size
-    if args.role != "unified":
-        # The decode role writes received KV into rank 0's cache only; the workers' caches would miss it.
-        raise UsageError(f"serve: --tensor-parallel-size {size} is only supported with --role unified so far")
     from .model.config import ModelConfig
     from .model.parallel import tensor_parallel_problem
 

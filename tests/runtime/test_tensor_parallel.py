@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU with gloo: sharded logits equal one rank's, the server's greedy answers equal
-the single-process server's, bad sizes are refused, and no worker process outlives rank 0."""
+the single-process server's (unified, and as a prefill/decode pair), KV rows written through the leader
+land in every rank's cache, bad sizes are refused, and no worker process outlives rank 0."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from sovereign_runtime.cli import main
 from sovereign_runtime.model import Fp8Linear, load_model
 from sovereign_runtime.model.config import ModelConfig
 from sovereign_runtime.model.parallel import TensorParallel, tensor_parallel_problem
-from tp_support import run_scenario
+from tp_support import ROW_CACHE_SHAPE, ROW_DTYPES, ROW_WRITES, run_scenario
 
 HERE = Path(__file__).parent
 BUILTIN = "builtin:sovereign-tiny"
@@ -54,7 +55,6 @@ def test_problem_names_the_dims_that_must_divide_and_the_valid_sizes(tiny_checkp
         (["--tensor-parallel-size", "3"], "valid sizes for this model: 1, 2, 4"),
         (["--tensor-parallel-size", "8"], "must divide num_attention_heads (4)"),
         (["--tensor-parallel-size", "2", "--device", "cuda"], "needs 2 CUDA devices"),
-        (["--tensor-parallel-size", "2", "--role", "decode"], "only supported with --role unified"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     ],
 )
@@ -138,6 +138,47 @@ def test_sharded_logits_and_greedy_tokens_equal_one_rank(
     assert got["greedy"] == expected["greedy"]
 
 
+# ---- KV rows written outside a forward (the decode role's received rows) ----------------------------
+
+
+def test_rows_written_through_the_leader_land_identically_in_the_worker_cache(tmp_path: Path) -> None:
+    rendezvous = str(tmp_path / "rendezvous")
+    outs = [tmp_path / f"rank{rank}.pt" for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "tp_support.py"), "rows", str(rank), rendezvous, str(out)],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank, out in enumerate(outs)
+    ]
+    try:
+        for proc in ranks:
+            output, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, output[-4000:]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    leader, worker = (torch.load(out) for out in outs)
+    assert [c.dtype for c in worker["caches"]] == list(ROW_DTYPES)
+    written = iter(leader["written"])
+    for dtype, leader_cache, worker_cache in zip(ROW_DTYPES, leader["caches"], worker["caches"], strict=True):
+        # Built on the bytes: float8 has no indexed assignment on the CPU.
+        expected = torch.zeros(ROW_CACHE_SHAPE, dtype=dtype)
+        _, blocks, block_size, width = ROW_CACHE_SHAPE
+        for layer, slot_list in ROW_WRITES:
+            rows = next(written).view(torch.uint8)
+            expected[layer].view(blocks * block_size, width).view(torch.uint8)[list(slot_list)] = rows
+        assert expected.view(torch.uint8).count_nonzero() > 0
+        # Bit for bit (float8 has no equality kernels everywhere: compare the bytes).
+        assert torch.equal(leader_cache.view(torch.uint8), expected.view(torch.uint8)), dtype
+        assert torch.equal(worker_cache.view(torch.uint8), expected.view(torch.uint8)), dtype
+
+
 # ---- the server -------------------------------------------------------------------------------------
 
 
@@ -171,12 +212,12 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 @contextmanager
-def _server(tensor_parallel_size: int) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def _server(tensor_parallel_size: int, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "sovereign_runtime", "serve", "--model", BUILTIN,
         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--num-kv-blocks", "64",
-        "--max-num-seqs", "4", "--tensor-parallel-size", str(tensor_parallel_size),
+        "--max-num-seqs", "4", "--tensor-parallel-size", str(tensor_parallel_size), *flags,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     workers: list[int] = []
@@ -205,12 +246,13 @@ def _wait_ready(proc: subprocess.Popen[str], base: str) -> None:
         time.sleep(0.1)
 
 
-def _chat(base: str, prompt: str) -> str:
+def _chat(base: str, prompt: str, **extra: object) -> str:
     body = {
         "model": BUILTIN,
         "messages": [{"role": "user", "content": prompt}],
         "temperature": 0,
         "max_tokens": 64,
+        **extra,
     }
     request = urllib.request.Request(
         base + "/v1/chat/completions",
@@ -243,6 +285,44 @@ def test_tp2_server_answers_as_tp1_does_and_sigterm_stops_its_worker() -> None:
         sharded.send_signal(signal.SIGTERM)
         out, _ = sharded.communicate(timeout=30)
         assert sharded.returncode == 0, out[-4000:]
+        assert _wait_gone(workers, 5) == []
+
+
+def _kv_health(base: str) -> dict[str, object]:
+    with urllib.request.urlopen(base + "/health/kv", timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def test_tp2_prefill_and_decode_pair_answers_as_tp1_unified_does() -> None:
+    questions = make_questions(3, seed=5)
+    decode_flags = ["--role", "decode", "--kv-port", str(free_port())]
+    with (
+        _server(1) as (single, single_url),
+        _server(2, "--role", "prefill") as (prefill, prefill_url),
+        _server(2, *decode_flags) as (decode, decode_url),
+    ):
+        for proc, url in ((single, single_url), (prefill, prefill_url), (decode, decode_url)):
+            _wait_ready(proc, url)
+        workers = _wait_workers(prefill, 1) + _wait_workers(decode, 1)
+        assert len(workers) == 2, workers
+        for number, q in enumerate(questions):
+            # What the router adds: the decode fetches the prompt's KV from the prefill, then decodes.
+            params = {"prefill_url": prefill_url, "room": f"tp2room{number}"}
+            answer = _chat(decode_url, q.prompt, kv_transfer_params=params)
+            assert answer == _chat(single_url, q.prompt), q.prompt
+            assert check_answer(q, answer), (q.prompt, answer)
+        # Every answer decoded from transferred KV (none prefilled locally after a failed transfer).
+        decode_health, prefill_health = _kv_health(decode_url), _kv_health(prefill_url)
+        assert decode_health["transfers_ok"] == len(questions) and decode_health["fallbacks"] == 0, (
+            decode_health
+        )
+        assert decode_health["tokens"] > 0, decode_health  # type: ignore[operator]
+        assert prefill_health["transfers_ok"] == len(questions), prefill_health
+        for proc in (prefill, decode):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (prefill, decode):
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0, out[-4000:]
         assert _wait_gone(workers, 5) == []
 
 

@@ -7,7 +7,13 @@ index per position, the same slot mapping the attention layers write through.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# Writes ``rows`` at flat slots ``slot_index`` of one layer: ``writer(layer, slot_index, rows)``. A
+# tensor-parallel leader's ``write_kv_rows`` is one (it replicates the write to every rank's cache).
+KVRowWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def slots(block_table: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -37,15 +43,24 @@ def read_layer_rows(
 
 
 def write_rows(
-    kv_cache: torch.Tensor, block_table: list[int], layer: int, start: int, rows: torch.Tensor
+    kv_cache: torch.Tensor,
+    block_table: list[int],
+    layer: int,
+    start: int,
+    rows: torch.Tensor,
+    writer: KVRowWriter | None = None,
 ) -> None:
-    """Store `rows` (`[n, kv_dim]`) as layer `layer`'s KV for positions `[start, start + n)`."""
+    """Store `rows` (`[n, kv_dim]`) as layer `layer`'s KV for positions `[start, start + n)`; through
+    `writer` when given (it then owns the write into `kv_cache`)."""
     layers, blocks, block_size, dim = kv_cache.shape
     if rows.ndim != 2 or rows.shape[1] != dim:
         raise ValueError(f"KV rows must be [tokens, {dim}], got {list(rows.shape)}")
     if not 0 <= layer < layers:
         raise ValueError(f"layer {layer} is outside [0, {layers})")
     index = slots(block_table, block_size, start, start + rows.shape[0]).to(kv_cache.device)
+    if writer is not None:
+        writer(layer, index, rows)
+        return
     kv_cache[layer].view(blocks * block_size, dim).index_copy_(
         0, index, rows.to(device=kv_cache.device, dtype=kv_cache.dtype)
     )

@@ -309,7 +309,9 @@ class DisaggService:
                     raise KVTransferError(f"room {room} is closed")
                 if first < 0 or first + rows.shape[0] > num_rows:
                     raise KVTransferError(f"rows [{first}, {first + rows.shape[0]}) outside [0, {num_rows})")
-                write_rows(cache, slot.block_table, layer, slot.num_cached + first, rows)
+                # Under tensor parallelism this returns once every rank has the rows queued ahead of any
+                # later step; the request is committed (scheduled to decode) only after all of them.
+                write_rows(cache, slot.block_table, layer, slot.num_cached + first, rows, slot.write_kv_rows)
                 received[layer] += rows.shape[0]
 
         started = time.perf_counter()

@@ -283,6 +283,8 @@ class LLMEngine:
             list(seq.block_table),
             self.runner.kv_cache,
             self.scheduler.block_size,
+            # A tensor-parallel leader must copy received rows into its workers' caches too.
+            getattr(self.runner.model, "write_kv_rows", None),
         )
 
     def commit_remote(
@@ -353,6 +355,9 @@ class RemoteSlot:
     block_table: list[int]
     kv_cache: torch.Tensor
     block_size: int
+    # Writes rows into ``kv_cache`` (``writer(layer, slot_index, rows)``) when a plain ``index_copy_`` is
+    # not enough: under tensor parallelism it replicates them to every rank. None: write directly.
+    write_kv_rows: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
 @dataclass

@@ -8,6 +8,13 @@ all-reduces inside the layers line up. Binding the KV cache is broadcast too, so
 same-shaped latent cache (replicated: MLA's latent is shared by all heads). Only rank 0 computes logits
 (lm_head is replicated) and samples.
 
+KV rows that do not come from a forward (the decode role's rows received from a prefill instance) are
+written through ``TensorParallelLeader.write_kv_rows``, which broadcasts them so every replica gets them.
+Ordering: every broadcast round (steps, binds, row writes) happens under the leader's one lock, in one
+order all ranks follow; the decode role writes all of a request's rows (each write returns only once
+broadcast and applied on rank 0) before it hands the request to the scheduler as a running decode, so
+every rank holds the rows before the first step that reads them.
+
 Processes: ``serve`` on rank 0 starts the workers as subprocesses of the same CLI with hidden
 ``--tp-rank``/``--tp-rendezvous`` flags; they rendezvous through a ``FileStore`` in a fresh temporary
 directory (no port to collide on). Rank 0 watches its workers and exits non-zero if one dies (a collective
@@ -38,7 +45,7 @@ from ..model.context import AttentionMetadata, attention_context, get_attention_
 log = logging.getLogger("sovereign_runtime.tensor_parallel")
 
 # Commands of the header every broadcast round starts with.
-_STOP, _BIND_CACHE, _STEP = 0, 1, 2
+_STOP, _BIND_CACHE, _STEP, _WRITE_ROWS = 0, 1, 2, 3
 _HEADER_LEN = 8
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # A worker waits in a broadcast for as long as the server is idle; the collective timeout must not end
@@ -74,6 +81,15 @@ def _receive_header(device: torch.device) -> list[int]:
     return header.tolist()
 
 
+def _write_slot_rows(cache: torch.Tensor, layer: int, slot_index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache[layer]``'s flat slots ``slot_index`` := ``rows`` (the same write on every rank)."""
+    width = cache.shape[-1]
+    # On the bytes: index_copy_ has no float8 kernel on every device, and a byte copy is the same write.
+    cache[layer].view(-1, width).view(torch.uint8).index_copy_(
+        0, slot_index, rows.contiguous().view(torch.uint8)
+    )
+
+
 class TensorParallelLeader(nn.Module):
     """Rank 0's model: broadcasts each forward's inputs to the workers, then runs its own shard.
 
@@ -88,6 +104,7 @@ class TensorParallelLeader(nn.Module):
         # One round of collectives at a time (the engine thread steps; shutdown may come from another).
         self._lock = threading.Lock()
         self._stopped = False
+        self._kv_cache: torch.Tensor | None = None
 
     @property
     def lm_head(self) -> nn.Module:  # PagedRunner reads the device and dtype from it
@@ -100,6 +117,33 @@ class TensorParallelLeader(nn.Module):
         with self._lock:
             _broadcast_header([_BIND_CACHE, *cache.shape, _CACHE_DTYPES.index(cache.dtype)], self._device)
             self.model.bind_kv_cache(cache)
+            self._kv_cache = cache
+
+    def write_kv_rows(self, layer: int, slot_index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` (``[n, kv_dim]``) at flat slots ``slot_index`` of layer ``layer`` on every rank.
+
+        Returns once rank 0's cache holds them and the workers have them queued ahead of any later step
+        (see the module docstring for why that ordering suffices). Safe from any thread.
+        """
+        with self._lock:
+            cache = self._kv_cache
+            if cache is None or self._stopped:
+                raise RuntimeError("no tensor-parallel KV cache to write to (not bound, or workers stopped)")
+            layers, _, _, width = cache.shape
+            # Checked before broadcasting: a bad write must fail here, never leave the workers mid-round.
+            if rows.ndim != 2 or rows.shape[1] != width or slot_index.shape != (rows.shape[0],):
+                raise ValueError(f"KV rows must be [n, {width}] with n slot indices")
+            if not 0 <= layer < layers:
+                raise ValueError(f"layer {layer} is outside [0, {layers})")
+            if rows.shape[0] == 0:
+                return
+            index = slot_index.to(self._device, torch.int64).contiguous()
+            rows = rows.to(device=cache.device, dtype=cache.dtype).contiguous()
+            _broadcast_header([_WRITE_ROWS, layer, rows.shape[0], width], self._device)
+            dist.broadcast(index, src=0)
+            # As raw bytes: gloo has no float8 (and the bytes are the same for every dtype).
+            dist.broadcast(rows.view(torch.uint8), src=0)
+            _write_slot_rows(cache, layer, index, rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -136,7 +180,9 @@ class TensorParallelLeader(nn.Module):
 
 
 def run_worker(model: nn.Module, device: torch.device) -> None:
-    """A worker rank's loop: apply rank 0's broadcasts (bind the cache, run a step) until it says stop."""
+    """A worker rank's loop: apply rank 0's broadcasts (bind the cache, run a step, write received KV rows)
+    until it says stop."""
+    cache: torch.Tensor | None = None
     while True:
         header = _receive_header(device)
         command = header[0]
@@ -148,6 +194,16 @@ def run_worker(model: nn.Module, device: torch.device) -> None:
                 layers, blocks, block_size, width, dtype=_CACHE_DTYPES[dtype_index], device=device
             )
             model.bind_kv_cache(cache)
+            continue
+        if command == _WRITE_ROWS:
+            if cache is None:
+                raise RuntimeError("KV rows to write before any cache was bound")
+            layer, num_rows, width = header[1:4]
+            index = torch.empty(num_rows, dtype=torch.int64, device=device)
+            raw = torch.empty(num_rows, width * cache.element_size(), dtype=torch.uint8, device=device)
+            dist.broadcast(index, src=0)
+            dist.broadcast(raw, src=0)
+            _write_slot_rows(cache, layer, index, raw.view(cache.dtype))
             continue
         if command != _STEP:
             raise RuntimeError(f"unknown tensor-parallel command {command}")
