@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -219,7 +220,11 @@ def _server(tensor_parallel_size: int, *flags: str) -> Iterator[tuple[subprocess
         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--num-kv-blocks", "64",
         "--max-num-seqs", "4", "--tensor-parallel-size", str(tensor_parallel_size), *flags,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+    # The rendezvous directory lives under TMPDIR; a SIGKILLed rank 0 cannot remove it, so give the
+    # server a scratch TMPDIR of its own and remove that.
+    scratch = tempfile.mkdtemp(prefix="sovereign-tp-test-")
+    env = {**ENV, "TMPDIR": scratch}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     workers: list[int] = []
     try:
         yield proc, f"http://127.0.0.1:{port}"
@@ -230,6 +235,7 @@ def _server(tensor_parallel_size: int, *flags: str) -> Iterator[tuple[subprocess
         proc.communicate(timeout=30)
         for pid in _wait_gone(workers, 10):  # never leave a stray process behind, even on failure
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _wait_ready(proc: subprocess.Popen[str], base: str) -> None:
