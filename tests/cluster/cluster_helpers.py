@@ -274,6 +274,29 @@ def wait_ready(kube: Kubectl, op: OperatorHandle, ns: str, name: str, timeout: f
         ) from None
 
 
+RUNTIME_IMAGE = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
+# DeepSeek-V3 in FP8 on one fake 8x H200 node: the model and runtime parts of the GPU tests' specs.
+DEEPSEEK_V3_FP8: dict[str, Any] = {
+    "model": {
+        "name": "deepseek-v3",
+        "source": {"hostPath": {"path": "/models/deepseek-v3"}},
+        "precision": "fp8",
+        "weightsGiB": 642,
+    },
+    "runtime": {"image": RUNTIME_IMAGE, "tensorParallelSize": 8},
+}
+
+
+def llmd(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An LLMDeployment manifest."""
+    return {
+        "apiVersion": "sovereign.ai/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 

@@ -127,6 +127,12 @@ def module_namespace(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[
         yield name
 
 
+@pytest.fixture(scope="session")
+def fake_gpu_nodes_present(kube: Kubectl) -> bool:
+    """Looked up once: nodes do not come and go during a session."""
+    return has_fake_gpu_nodes(kube)
+
+
 @pytest.fixture(autouse=True)
 def _cluster_capabilities(request: pytest.FixtureRequest) -> None:
     """Skip, naming what is missing, a test that needs what only the local control plane has."""
@@ -136,7 +142,7 @@ def _cluster_capabilities(request: pytest.FixtureRequest) -> None:
         return
     kube: Kubectl = request.getfixturevalue("kube")
     missing = []
-    if needs_fake_nodes and not has_fake_gpu_nodes(kube):
+    if needs_fake_nodes and not request.getfixturevalue("fake_gpu_nodes_present"):
         # The local control plane always has them: there, their absence is a broken setup, not a skip.
         assert not kube.local, "the local control plane has no fake GPU nodes (e2e/cluster/kwok/nodes.yaml)"
         missing.append("kwok's fake GPU nodes (the local control plane's)")

@@ -5,6 +5,7 @@ must say why, and `spec` must never change (GitOps sees no drift)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -14,12 +15,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from cluster_helpers import Kubectl, OperatorHandle, condition, wait_for
+from cluster_helpers import DEEPSEEK_V3_FP8, Kubectl, OperatorHandle, condition, llmd, wait_for
 
 # The operator must reach the replayed Prometheus on 127.0.0.1, and the pods need fake GPU nodes.
 pytestmark = [pytest.mark.cluster, pytest.mark.fake_gpu_nodes, pytest.mark.local_operator]
-
-IMAGE = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
 
 
 class FakePrometheus:
@@ -76,28 +75,18 @@ def prometheus() -> Iterator[FakePrometheus]:
 
 
 def autoscaled_llmd(name: str, prometheus_url: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "sovereign.ai/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {
-                "name": "deepseek-v3",
-                "source": {"hostPath": {"path": "/models/deepseek-v3"}},
-                "precision": "fp8",
-                "weightsGiB": 642,
-            },
-            "runtime": {"image": IMAGE, "tensorParallelSize": 8},
-            "mode": "unified",
-            "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3, "kvCacheUsageTarget": 0.5}},
-            "autoscaling": {
-                "metrics": {"source": "prometheus", "prometheusUrl": prometheus_url},
-                "scaleUpStabilizationSeconds": 0,
-                "scaleDownStabilizationSeconds": 20,
-                "intervalSeconds": 5,
-            },
+    spec = {
+        **copy.deepcopy(DEEPSEEK_V3_FP8),
+        "mode": "unified",
+        "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3, "kvCacheUsageTarget": 0.5}},
+        "autoscaling": {
+            "metrics": {"source": "prometheus", "prometheusUrl": prometheus_url},
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 20,
+            "intervalSeconds": 5,
         },
     }
+    return llmd(name, spec)
 
 
 def pool(kube: Kubectl, ns: str, name: str, fake: FakePrometheus) -> tuple[int, int]:

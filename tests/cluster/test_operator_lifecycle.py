@@ -14,15 +14,18 @@ from typing import Any
 
 import pytest
 from cluster_helpers import (
+    DEEPSEEK_V3_FP8,
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     RDMA_RESOURCE,
+    RUNTIME_IMAGE,
     Kubectl,
     OperatorHandle,
     audit_log_path,
     audited_writes,
     condition,
     get_llmd,
+    llmd,
     set_rdma,
     wait_for,
     wait_ready,
@@ -34,31 +37,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.fake_gpu_nodes]
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
 CHILD_KINDS = "statefulsets,deployments,services,poddisruptionbudgets"
-IMAGE = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
+IMAGE = RUNTIME_IMAGE
 IMAGE_2 = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.1"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
 
 
 def gpu_llmd(name: str, mode: str = "disaggregated", prefill: int = 1, decode: int = 2) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": {
-            "name": "deepseek-v3",
-            "source": {"hostPath": {"path": "/models/deepseek-v3"}},
-            "precision": "fp8",
-            "weightsGiB": 642,
-        },
-        "runtime": {"image": IMAGE, "tensorParallelSize": 8},
-        "mode": mode,
-        "decode": {"replicas": decode},
-    }
+    spec: dict[str, Any] = {**copy.deepcopy(DEEPSEEK_V3_FP8), "mode": mode, "decode": {"replicas": decode}}
     if mode != "unified":
         spec["prefill"] = {"replicas": prefill}
-    return {
-        "apiVersion": "sovereign.ai/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
+    return llmd(name, spec)
 
 
 def children(kube: Kubectl, ns: str, name: str, kinds: str = CHILD_KINDS) -> list[dict[str, Any]]:

@@ -221,3 +221,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def distinct_free_ports(n: int) -> list[int]:
+    """n ports free right now and different from each other (all held open while they are picked)."""
+    import socket
+
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    try:
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from disagg_support import Instance
+from server_support import distinct_free_ports
 from sovereign_runtime.builtin import resolve_builtin
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
 
@@ -74,16 +74,6 @@ def _localize(args: list[str], port: int) -> list[str]:
     return out
 
 
-def _distinct_free_ports(n: int) -> list[int]:
-    """n ports free right now and different from each other (all held open while they are picked)."""
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    try:
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _get(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -120,7 +110,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         procs.append(proc)
         return proc
 
-    ports = iter(_distinct_free_ports(6))
+    ports = iter(distinct_free_ports(6))
     try:
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
         probes: list[tuple[str, subprocess.Popen[bytes]]] = []

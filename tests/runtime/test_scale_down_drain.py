@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from server_support import distinct_free_ports
 from sovereign_runtime.builtin.tasks import Question, check_answer, make_questions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,15 +57,6 @@ def _render_unified(tmp_path: Path) -> dict[str, Any]:
     ).stdout
     (sts,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "StatefulSet"]
     return sts  # type: ignore[no-any-return]
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    try:
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -193,7 +184,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         return proc, log
 
     try:
-        *worker_ports, router_port = _free_ports(3)
+        *worker_ports, router_port = distinct_free_ports(3)
         workers: list[tuple[str, subprocess.Popen[bytes]]] = []
         started = []
         for i, port in enumerate(worker_ports):
