@@ -12,6 +12,7 @@ import yaml
 from sovereign_operator import yamlio
 from sovereign_operator.api import custom_resource_definition
 from sovereign_operator.api.document import InvalidDeployment, parse_document
+from sovereign_operator.main import run_operator
 from sovereign_operator.render import ClusterFacts, DeploymentRef, OperatorDefaults, render
 
 # Offline rendering has no real owner; apply with `--uid` set to the object's metadata.uid.
@@ -62,9 +63,6 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    # Imported here so `crd` and `render` work without touching kopf's machinery.
-    from sovereign_operator.main import run_operator
-
     return run_operator(namespaces=args.namespace, health_port=args.health_port, verbose=args.verbose)
 
 

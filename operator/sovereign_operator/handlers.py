@@ -1,37 +1,43 @@
-"""kopf handlers: thin adapters from kopf's events to the Reconciler.
+"""kopf handlers: thin adapters from kopf's events to the Reconciler, and the operator's assembly.
 
 - create/update(spec)/resume of an LLMDeployment -> render + apply + status;
 - events of the children (StatefulSets, the router Deployment, pods) -> status, and re-apply when
   a child was deleted;
 - `mode: auto` is resolved from the nodes when the spec changes and then kept (status records
   it): switching modes replaces every pool, so node churn must not trigger it;
-- no delete handler and so no finalizer: owner references clean up.
-
-The autoscaler adds a periodic loop (not a `@kopf.timer`, which would add a finalizer) that writes
-`status.pools.<pool>.autoscaler.desiredReplicas` and calls `STATE.reconciler.reconcile(body)`; the new replica counts flow into rendering as
-overrides, never into `spec`.
+- no delete handler, no timer and so no finalizer: owner references clean up;
+- an index of the LLMDeployments kopf serves feeds the periodic loop (loop.py: autoscaling and KV
+  health), which writes `status.pools.<pool>.autoscaler.desiredReplicas` and asks the reconciler to
+  re-render; the new replica counts flow into rendering as overrides, never into `spec`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
+from sovereign_operator import metrics
 from sovereign_operator.api.crd import GROUP, PLURAL, VERSION
-from sovereign_operator.kube import INSTANCE_LABEL, MANAGED_BY_LABEL, Kube
+from sovereign_operator.autoscale.controller import AutoscaleController
+from sovereign_operator.autoscale.exporter import AutoscalerMetrics
+from sovereign_operator.events import EventPoster
+from sovereign_operator.kube import Kube
+from sovereign_operator.kvmonitor import KVHealthMonitor
+from sovereign_operator.loop import OperatorLoop
 from sovereign_operator.metrics import start_server
-from sovereign_operator.observe import Problem
 from sovereign_operator.reconcile import Reconciler, RetryLater
-from sovereign_operator.render.children import MANAGED_BY
 from sovereign_operator.render.plan import OperatorDefaults
+from sovereign_operator.vocabulary import INSTANCE_LABEL, owned_labels
 
-OWNED = {MANAGED_BY_LABEL: MANAGED_BY}
+OWNED = owned_labels()
 ANNOTATION_PREFIX = "operator.sovereign.ai"
+# Built once per process: prometheus_client refuses to register the same metric names twice.
+AUTOSCALER_METRICS = AutoscalerMetrics(metrics.REGISTRY)
 
 
 @dataclass
@@ -40,14 +46,49 @@ class OperatorState:
     health_port: int = 8080
     kube: Kube | None = None
     reconciler: Reconciler | None = None
+    events: EventPoster | None = None
+    loop: OperatorLoop | None = None
     servers: list[Any] = field(default_factory=list)
 
 
 STATE = OperatorState()
 
 
-def _post_event(body: Mapping[str, Any], problem: Problem) -> None:
-    kopf.warn(dict(body), reason=problem.reason, message=problem.message[:1000])
+def assemble(
+    kube: Kube, served: Mapping[Any, Iterable[Mapping[str, Any]]], defaults: OperatorDefaults | None = None
+) -> tuple[EventPoster, OperatorLoop]:
+    """Build the operator's parts on one kube client into STATE: the event poster, the reconciler,
+    and the loop with its autoscaler and KV-health monitor. `served` is kopf's index of the
+    LLMDeployments (a mapping of (namespace, name) to a store of bodies)."""
+    events = EventPoster(kube.create_event)
+    reconciler = Reconciler(
+        kube,
+        report_problem=lambda body, problem: events.post(body, "Warning", problem.reason, problem.message),
+        defaults=defaults,
+    )
+
+    async def reconcile(body: Mapping[str, Any]) -> None:
+        await reconciler.reconcile(body)
+
+    autoscaler = AutoscaleController(
+        kube,
+        reconcile,
+        post_event=lambda body, e: events.post(body, e["type"], e["reason"], e["message"]),
+        exporter=AUTOSCALER_METRICS,
+    )
+
+    async def refresh(namespace: str, name: str) -> None:
+        # Degraded follows KVTransferHealthy; the reconciler owns Degraded.
+        await reconciler.refresh_status(namespace, name)
+
+    monitor = KVHealthMonitor(kube, autoscaler.http_session, on_change=refresh)
+
+    def bodies() -> Iterator[Mapping[str, Any]]:
+        return (body for store in served.values() for body in store)
+
+    loop = OperatorLoop(bodies, autoscaler, monitor)
+    STATE.kube, STATE.events, STATE.reconciler, STATE.loop = kube, events, reconciler, loop
+    return events, loop
 
 
 def _reconciler() -> Reconciler:
@@ -56,8 +97,17 @@ def _reconciler() -> Reconciler:
     return STATE.reconciler
 
 
+@kopf.index(GROUP, VERSION, PLURAL, id="llmdeployments")
+def index_deployment(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """What the loop serves: kopf's own view of the LLMDeployments in the namespaces it serves. An
+    index is kopf's public way to share it (and, unlike a timer, adds no finalizer)."""
+    return {(namespace, name): {key: body.get(key) for key in ("metadata", "spec", "status")}}
+
+
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+async def configure(
+    settings: kopf.OperatorSettings, logger: logging.Logger, llmdeployments: kopf.Index[Any, Any], **_: Any
+) -> None:
     # kopf's bookkeeping goes to annotations (never spec, never our status schema).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -67,10 +117,11 @@ async def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_
     # Only warnings become Kubernetes Events: steady state writes nothing.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
-    STATE.kube = Kube.from_environment()
-    STATE.reconciler = Reconciler(
-        STATE.kube, report_problem=_post_event, defaults=OperatorDefaults.from_environment(os.environ)
+    events, loop = assemble(
+        Kube.from_environment(), llmdeployments, OperatorDefaults.from_environment(os.environ)
     )
+    events.start()
+    loop.start()
     if STATE.health_port:
         try:
             STATE.servers.append(await start_server(STATE.health_host, STATE.health_port))
@@ -85,6 +136,10 @@ async def shutdown(**_: Any) -> None:
     for server in STATE.servers:
         await server.cleanup()
     STATE.servers.clear()
+    if STATE.loop is not None:
+        await STATE.loop.close()
+    if STATE.events is not None:
+        await STATE.events.close()
     if STATE.kube is not None:
         await STATE.kube.close()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightkube import AsyncClient, codecs
+from lightkube import ApiError, AsyncClient, codecs
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.core_v1 import Node, Pod, Service
@@ -17,12 +17,9 @@ from lightkube.types import PatchType
 
 from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
 from sovereign_operator.observe import Observed
-from sovereign_operator.render.children import MANAGED_BY
+from sovereign_operator.vocabulary import COMPONENT_LABEL, MANAGED_BY, owned_labels
 
-FIELD_MANAGER = "sovereign-operator"
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+FIELD_MANAGER = MANAGED_BY
 
 LLMDeploymentResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
@@ -48,16 +45,13 @@ class Kube:
     async def apply(self, child: dict[str, Any]) -> None:
         await self.client.apply(codecs.from_dict(child), field_manager=FIELD_MANAGER, force=True)
 
-    def _owned(self, instance: str) -> dict[str, str]:
-        return {INSTANCE_LABEL: instance, MANAGED_BY_LABEL: MANAGED_BY}
-
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]:
         """Delete pool children this deployment owns that the current render no longer has."""
         deleted = []
         for kind in _PRUNABLE:
-            async for obj in self.client.list(kind, namespace=namespace, labels=self._owned(instance)):
+            async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels(instance)):
                 meta = obj.metadata
                 owners = [ref.uid for ref in (meta.ownerReferences or []) if ref.controller]
                 if (kind.__name__, meta.name) in keep or owner_uid not in owners:
@@ -75,8 +69,6 @@ class Kube:
         return frozenset(names)
 
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
-        from lightkube import ApiError
-
         try:
             return _as_dict(await self.client.get(LLMDeploymentResource, name, namespace=namespace))
         except ApiError as error:
@@ -84,19 +76,12 @@ class Kube:
                 return None
             raise
 
-    async def list_deployments(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """The LLMDeployments of one namespace, or of all namespaces with None."""
-        from lightkube import ALL_NS
-
-        return [
-            _as_dict(obj)
-            async for obj in self.client.list(
-                LLMDeploymentResource, namespace=ALL_NS if namespace is None else namespace
-            )
-        ]
+    async def create_event(self, event: dict[str, Any]) -> None:
+        """Create a core/v1 Event (see events.py for why the operator posts its own)."""
+        await self.client.create(codecs.from_dict(event))
 
     async def observe(self, namespace: str, instance: str) -> Observed:
-        labels = self._owned(instance)
+        labels = owned_labels(instance)
         statefulsets: dict[str, dict[str, Any]] = {}
         async for sts in self.client.list(StatefulSet, namespace=namespace, labels=labels):
             component = (sts.metadata.labels or {}).get(COMPONENT_LABEL)

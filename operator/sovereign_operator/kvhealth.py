@@ -1,18 +1,20 @@
 """The `KVTransferHealthy` condition: what the pods' `GET /health/kv` answers say, as one condition.
 
-Pure: per-pod answers (or the scrape error) in, a condition dict out. The autoscaler's timer
-collects the answers (autoscale/kvmonitor.py) and writes the condition; the reconciler reads it back
-and turns `Degraded` True while it is False, so a silent RDMA fallback cannot hide behind Ready.
+Pure: per-pod answers (or the scrape error) in, a condition dict out. The KV-health monitor
+(kvmonitor.py, driven by the operator's loop) collects the answers and writes the condition; the
+reconciler reads it back and turns `Degraded` True while it is False, so a silent RDMA fallback
+cannot hide behind Ready.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-KV_TRANSFER_HEALTHY = "KVTransferHealthy"
+from sovereign_operator import vocabulary
+from sovereign_operator.vocabulary import KV_TRANSFER_HEALTHY, rfc3339
+
 # Reasons of a False condition, most serious first; the condition's reason is the first present.
 TRANSFER_FAILING = "TransferFailing"
 UNREACHABLE = "Unreachable"
@@ -57,10 +59,6 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _names(pods: Sequence[str]) -> str:
     shown = ", ".join(pods[:_MAX_PODS_NAMED])
     more = len(pods) - _MAX_PODS_NAMED
@@ -77,7 +75,7 @@ def _last_error(body: Mapping[str, Any]) -> str:
     if not error:
         return ""
     when = body.get("last_error_time")
-    at = f" at {_rfc3339(float(when))}" if isinstance(when, int | float) else ""
+    at = f" at {rfc3339(float(when))}" if isinstance(when, int | float) else ""
     return f"; last error{at}: {str(error)[:300]}"
 
 
@@ -192,42 +190,14 @@ def kv_condition(
 ) -> dict[str, Any]:
     """The condition as status holds it; the transition time moves only when the status flips."""
     status, reason, message = fields
-    transition = _rfc3339(now)
-    if previous and previous.get("status") == status and previous.get("lastTransitionTime"):
-        transition = previous["lastTransitionTime"]
-    cond: dict[str, Any] = {
-        "type": KV_TRANSFER_HEALTHY,
-        "status": status,
-        "reason": reason,
-        "message": message[:2000],
-        "lastTransitionTime": transition,
-    }
-    if observed_generation is not None:
-        cond["observedGeneration"] = observed_generation
-    return cond
-
-
-def find_condition(
-    status: Mapping[str, Any] | None, kind: str = KV_TRANSFER_HEALTHY
-) -> dict[str, Any] | None:
-    return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == kind), None)
-
-
-def same_condition(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    """Equal for what it says (status, reason, message, generation); times do not count."""
-    keys = ("status", "reason", "message", "observedGeneration")
-    if a is None or b is None:
-        return a is b
-    return all(a.get(k) == b.get(k) for k in keys)
+    return vocabulary.condition(
+        KV_TRANSFER_HEALTHY, status, reason, message[:2000], rfc3339(now), previous, observed_generation
+    )
 
 
 def conditions_patch(
-    status: Mapping[str, Any] | None, condition: dict[str, Any] | None
+    status: Mapping[str, Any] | None, condition: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
     """A status merge patch putting (or, with None, removing) the condition; None when it already
-    says that. A merge patch replaces the whole list, so every other writer's entries are kept."""
-    current = find_condition(status)
-    if same_condition(current, condition):
-        return None
-    others = [c for c in (status or {}).get("conditions") or [] if c.get("type") != KV_TRANSFER_HEALTHY]
-    return {"conditions": others + ([condition] if condition is not None else [])}
+    says that. Every other writer's conditions are kept."""
+    return vocabulary.conditions_patch(status, KV_TRANSFER_HEALTHY, condition)

@@ -9,17 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sovereign_operator.api.status import (
+from sovereign_operator import vocabulary
+from sovereign_operator.api.status import Condition, LLMDeploymentStatus, PoolsStatus, PoolStatus
+from sovereign_operator.render import Rendered
+from sovereign_operator.vocabulary import (
     DEGRADED,
+    KV_TRANSFER_HEALTHY,
     PROGRESSING,
     READY,
-    Condition,
-    LLMDeploymentStatus,
-    PoolsStatus,
-    PoolStatus,
+    RECONCILER_CONDITIONS,
 )
-from sovereign_operator.kvhealth import KV_TRANSFER_HEALTHY
-from sovereign_operator.render import Rendered
 
 # Degraded's reason while KVTransferHealthy is False (the message carries the condition's own).
 KV_UNHEALTHY = "KVTransferUnhealthy"
@@ -53,16 +52,9 @@ class Problem:
 def _condition(
     previous: list[Condition], kind: str, status: str, reason: str, message: str, now: str, generation: int
 ) -> Condition:
-    before = next((c for c in previous if c.type == kind), None)
-    # The transition time only moves when the status flips, as Kubernetes conventions ask.
-    since = before.last_transition_time if before is not None and before.status == status else now
-    return Condition(
-        type=kind,
-        status=status,  # type: ignore[arg-type]
-        reason=reason,
-        message=message,
-        last_transition_time=since,
-        observed_generation=generation,
+    before = next((c.to_api() for c in previous if c.type == kind), None)
+    return Condition.model_validate(
+        vocabulary.condition(kind, status, reason, message, now, before, generation)
     )
 
 
@@ -227,10 +219,6 @@ def _without_autoscaler(status: dict[str, Any]) -> dict[str, Any]:
     return {**status, "pools": trimmed} if pools else status
 
 
-# Fields other writers own; the operator's merge patch never mentions them.
-_FOREIGN_CONDITIONS = ("MetricsAvailable", KV_TRANSFER_HEALTHY)
-
-
 def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -> dict[str, Any] | None:
     """A JSON merge patch for `status`, or None when nothing the operator owns changed.
 
@@ -240,7 +228,7 @@ def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -
     current = current or {}
     want = _without_autoscaler(desired.to_api())
     # Conditions are a list, replaced whole by a merge patch: keep other writers' entries.
-    foreign = [c for c in current.get("conditions") or [] if c.get("type") in _FOREIGN_CONDITIONS]
+    foreign = [c for c in current.get("conditions") or [] if c.get("type") not in RECONCILER_CONDITIONS]
     want["conditions"] = want.get("conditions", []) + foreign
     have = _without_autoscaler({k: v for k, v in current.items() if k in want or k in _owned_keys()})
     if {k: have.get(k) for k in want} == want and not (set(have) - set(want)):

@@ -14,7 +14,6 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from sovereign_operator import metrics
@@ -23,6 +22,7 @@ from sovereign_operator.api.status import LLMDeploymentStatus
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
 from sovereign_operator.render.plan import OperatorDefaults, sticky_plan
+from sovereign_operator.vocabulary import now_rfc3339
 
 
 class KubeApi(Protocol):
@@ -55,10 +55,6 @@ class Outcome:
     rendered: Rendered | None
     problem: Problem | None
     digest: str | None
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def replica_overrides(status: Mapping[str, Any] | None) -> dict[str, int]:

@@ -27,6 +27,7 @@ class FakeKube:
         self.deleted: list[str] = []
         self.fail_apply_with: int | None = None
         self.conflicts_left = 0
+        self.events: list[dict[str, Any]] = []
 
     async def apply(self, child: dict[str, Any]) -> None:
         if self.fail_apply_with is not None:
@@ -43,6 +44,9 @@ class FakeKube:
             del self.children[key]
             self.deleted.append(f"{key[0]}/{key[1]}")
         return self.deleted
+
+    async def create_event(self, event: dict[str, Any]) -> None:
+        self.events.append(copy.deepcopy(event))
 
     async def advertised_resources(self) -> frozenset[str]:
         return self.advertised

@@ -16,7 +16,6 @@ from aiohttp import web
 from operator_specs import DEEPSEEK_SPEC, TINY_SPEC
 from sovereign_operator.api import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus
-from sovereign_operator.autoscale.kvmonitor import KVHealthMonitor, read_kv_health
 from sovereign_operator.kvhealth import (
     KV_TRANSFER_HEALTHY,
     Counters,
@@ -25,6 +24,7 @@ from sovereign_operator.kvhealth import (
     kv_condition,
     kv_condition_fields,
 )
+from sovereign_operator.kvmonitor import KVHealthMonitor, read_kv_health
 from sovereign_operator.observe import Observed, compute_status, status_patch
 from sovereign_operator.render import ClusterFacts, DeploymentRef, render
 
@@ -421,45 +421,3 @@ def test_degraded_follows_a_false_kv_condition_while_ready_stays(
     patch = status_patch(current, status)
     assert patch is not None and kv in patch["conditions"]  # the monitor's condition is kept
     assert sum(c["type"] == KV_TRANSFER_HEALTHY for c in patch["conditions"]) == 1
-
-
-def test_the_autoscale_timer_drives_the_monitor_on_the_operator_state() -> None:
-    import logging
-
-    from sovereign_operator import handlers
-    from sovereign_operator.autoscale import timer
-
-    class FakeReconciler:
-        def __init__(self) -> None:
-            self.refreshed: list[tuple[str, str]] = []
-
-        async def reconcile(self, b: Mapping[str, Any]) -> None:
-            pass
-
-        async def refresh_status(self, namespace: str, name: str) -> bool:
-            self.refreshed.append((namespace, name))
-            return True
-
-    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
-    kube = MonitorKube({"mode": "disaggregated", "kvTransport": "tcp", "conditions": [ready]}, [])
-    reconciler = FakeReconciler()
-    saved = (handlers.STATE.kube, handlers.STATE.reconciler, timer._controller, timer._kv_monitor)
-    try:
-        handlers.STATE.kube, handlers.STATE.reconciler = kube, reconciler  # type: ignore[assignment]
-        timer._controller, timer._kv_monitor = None, None
-        monitor = timer.kv_monitor()
-        assert monitor is not None and timer.kv_monitor() is monitor
-
-        async def main() -> None:
-            await timer.autoscale(
-                name="llm", namespace="ns", spec={}, body=kube.body, logger=logging.getLogger("test")
-            )
-            await monitor.http().close()
-
-        asyncio.run(main())
-        # No ready pods behind a Ready object (pods listed separately): Unknown, and Degraded refreshed.
-        kv = kube.body["status"]["conditions"][-1]
-        assert (kv["type"], kv["status"], kv["reason"]) == (KV_TRANSFER_HEALTHY, "Unknown", "PodsNotReady")
-        assert reconciler.refreshed == [("ns", "llm")]
-    finally:
-        handlers.STATE.kube, handlers.STATE.reconciler, timer._controller, timer._kv_monitor = saved

@@ -83,16 +83,13 @@ def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> Non
         handlers.STATE.reconciler = None
 
 
-def test_run_gives_the_autoscale_loop_the_namespaces_kopf_serves(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_run_gives_kopf_the_namespaces_whose_index_feeds_the_loop(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from sovereign_operator import handlers, main
-    from sovereign_operator.autoscale import timer
 
     monkeypatch.setattr(handlers.STATE, "health_port", handlers.STATE.health_port)
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(timer, "_namespaces", ())
     assert main.run_operator(["team-*", "prod"], health_port=0, verbose=False) == 0
     assert calls[0]["namespaces"] == ["team-*", "prod"] and not calls[0]["clusterwide"]
-    assert timer._namespaces == ("team-*", "prod")
     main.run_operator(None, health_port=0, verbose=False)
-    assert calls[1]["clusterwide"] and timer._namespaces == ()
+    assert calls[1]["clusterwide"] and calls[1]["namespaces"] == ()

@@ -353,6 +353,11 @@ class LLMDeploymentSpec(ApiModel):
         ),
     )
 
+    def pool_for(self, component: str) -> PoolSpec | None:
+        """The pool spec configuring a component's pool, None where the spec leaves it out; the
+        unified pool is configured by `decode` (the one place this rule is written)."""
+        return self.prefill if component == "prefill" else self.decode
+
     def uses_gpu(self) -> bool:
         if self.runtime.device is not None:
             return self.runtime.device == "gpu"

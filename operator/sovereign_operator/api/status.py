@@ -13,11 +13,6 @@ from pydantic import Field
 from sovereign_operator.api.base import ApiModel
 
 ConditionStatus = Literal["True", "False", "Unknown"]
-# Condition types the operator sets; the autoscaler and the runtime add MetricsAvailable and
-# KVTransferHealthy under the same shape.
-READY = "Ready"
-PROGRESSING = "Progressing"
-DEGRADED = "Degraded"
 
 
 class Condition(ApiModel):

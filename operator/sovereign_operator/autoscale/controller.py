@@ -14,23 +14,32 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Protocol
 
 import aiohttp
 
 from sovereign_operator.api.document import InvalidDeployment, parse_spec
 from sovereign_operator.api.spec import LLMDeploymentSpec, PoolAutoscaling
-from sovereign_operator.render.children import RUNTIME_PORT, pool_name
+from sovereign_operator.render.plan import components_for
+from sovereign_operator.vocabulary import (
+    METRICS_AVAILABLE,
+    find_condition,
+    parse_rfc3339,
+    pod_component,
+    pod_condition,
+    pod_is_ready,
+    pod_url,
+    pool_name,
+    with_condition,
+)
 
 from .exporter import AutoscalerMetrics
 from .metrics import PodScraper, query_prometheus_pool
 from .policy import decide
-from .report import METRICS_AVAILABLE, autoscaler_status, metrics_condition, scaling_event
+from .report import autoscaler_status, metrics_condition, scaling_event
 from .types import AutoscalerConfig, PoolConfig, PoolDecision, PoolInput, PoolMetrics, PoolReplicas, PoolState
 
 log = logging.getLogger(__name__)
-COMPONENT_LABEL = "app.kubernetes.io/component"
 # The KV-cache usage target of a decode or unified pool whose spec names no decode-side target.
 DEFAULT_KV_TARGET = 0.75
 # Write an unchanged decision at least this often, so `lastDecisionTime` shows the loop is alive.
@@ -48,21 +57,6 @@ class KubeLike(Protocol):
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None: ...
 
 
-def _ts(text: str | None) -> float | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def _condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
-    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None)
-
-
-def _is_ready(pod: Mapping[str, Any]) -> bool:
-    cond = _condition(pod, "Ready")
-    return bool(cond and cond.get("status") == "True") and not pod["metadata"].get("deletionTimestamp")
-
-
 def pool_replicas(
     statefulset: Mapping[str, Any] | None, pods: list[dict[str, Any]], now: float
 ) -> PoolReplicas:
@@ -70,22 +64,24 @@ def pool_replicas(
     spec = (statefulset or {}).get("spec") or {}
     status = (statefulset or {}).get("status") or {}
     desired = int(spec.get("replicas") or 0)
-    ready = sum(1 for p in pods if _is_ready(p))
+    ready = sum(1 for p in pods if pod_is_ready(p))
     unschedulable_ages: list[float] = []
     starting = 0
     for p in pods:
         phase = (p.get("status") or {}).get("phase")
-        scheduled = _condition(p, "PodScheduled")
+        scheduled = pod_condition(p, "PodScheduled")
         if (
             phase == "Pending"
             and scheduled
             and scheduled.get("status") == "False"
             and scheduled.get("reason") == "Unschedulable"
         ):
-            since = _ts(scheduled.get("lastTransitionTime")) or _ts(p["metadata"].get("creationTimestamp"))
+            since = parse_rfc3339(scheduled.get("lastTransitionTime")) or parse_rfc3339(
+                p["metadata"].get("creationTimestamp")
+            )
             unschedulable_ages.append(max(0.0, now - since) if since else 0.0)
             continue
-        if not _is_ready(p):
+        if not pod_is_ready(p):
             starting += 1
     return PoolReplicas(
         desired=desired,
@@ -101,9 +97,11 @@ def measured_startup_seconds(pods: list[dict[str, Any]]) -> float | None:
     """Median time from creation to Ready over the pool's ready pods (the scale-up lead time)."""
     durations = []
     for p in pods:
-        cond = _condition(p, "Ready")
-        created = _ts(p["metadata"].get("creationTimestamp"))
-        became = _ts(cond.get("lastTransitionTime")) if cond and cond.get("status") == "True" else None
+        cond = pod_condition(p, "Ready")
+        created = parse_rfc3339(p["metadata"].get("creationTimestamp"))
+        became = (
+            parse_rfc3339(cond.get("lastTransitionTime")) if cond and cond.get("status") == "True" else None
+        )
         if created is not None and became is not None and became >= created:
             durations.append(became - created)
     return statistics.median(durations) if durations else None
@@ -138,12 +136,9 @@ def autoscaler_config(spec: LLMDeploymentSpec) -> AutoscalerConfig:
 
 def autoscaled_pools(spec: LLMDeploymentSpec, mode: str | None) -> dict[str, PoolAutoscaling]:
     """Component -> autoscaling bounds, for the pools of the resolved mode that are autoscaled."""
-    if mode == "disaggregated":
-        pools = {"prefill": spec.prefill, "decode": spec.decode}
-    elif mode == "unified":
-        pools = {"unified": spec.decode}  # the unified pool is configured by `decode`
-    else:
+    if mode not in ("unified", "disaggregated"):
         return {}
+    pools = {c: spec.pool_for(c) for c in components_for(mode)}
     return {c: p.autoscaling for c, p in pools.items() if p is not None and p.autoscaling is not None}
 
 
@@ -152,7 +147,7 @@ def restore_state(previous: Mapping[str, Any] | None, replicas: PoolReplicas, no
     never causes a burst: any not-ready replicas count as an in-flight scale-up."""
     state = PoolState()
     history = (previous or {}).get("history") or []
-    last = _ts(history[-1].get("time")) if history else None
+    last = parse_rfc3339(history[-1].get("time")) if history else None
     if replicas.ready < replicas.desired:
         state.scale_up_target = replicas.desired
         state.last_scale_up_time = last if last is not None else now
@@ -167,19 +162,18 @@ def stale_status_patch(status: Mapping[str, Any], autoscaled: set[str]) -> dict[
     stale = [c for c, p in pools.items() if c not in autoscaled and (p or {}).get("autoscaler") is not None]
     if stale:
         patch["pools"] = {c: {"autoscaler": None} for c in stale}
-    conditions = status.get("conditions") or []
-    if not autoscaled and any(c.get("type") == METRICS_AVAILABLE for c in conditions):
-        patch["conditions"] = [c for c in conditions if c.get("type") != METRICS_AVAILABLE]
+    conditions = status.get("conditions")
+    if not autoscaled and find_condition(conditions, METRICS_AVAILABLE) is not None:
+        patch["conditions"] = with_condition(conditions, METRICS_AVAILABLE, None)
     return patch or None
 
 
 def _pods_of(pods: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
-    return [p for p in pods if (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == component]
+    return [p for p in pods if pod_component(p) == component]
 
 
 def default_pod_url(pod: Mapping[str, Any]) -> str | None:
-    ip = (pod.get("status") or {}).get("podIP")
-    return f"http://{ip}:{RUNTIME_PORT}/metrics" if ip else None
+    return pod_url(pod, "/metrics")
 
 
 @dataclass
@@ -244,7 +238,7 @@ class AutoscaleController:
         config: AutoscalerConfig,
     ) -> PoolMetrics:
         now = self.clock()
-        serving = [p for p in pods if _is_ready(p)]
+        serving = [p for p in pods if pod_is_ready(p)]
         source = spec.autoscaling.metrics
         if source.source == "prometheus" and source.prometheus_url:
             selector = f'namespace="{namespace}",pod=~"{pool_name(name, component)}-[0-9]+"'
@@ -270,7 +264,7 @@ class AutoscaleController:
 
     async def tick(self, namespace: str, name: str, force: bool = False) -> dict[str, PoolDecision] | None:
         """One autoscaling round for one LLMDeployment; None when nothing is autoscaled or it is
-        not time yet. Errors reading the cluster propagate (the timer retries next round)."""
+        not time yet. Errors reading the cluster propagate (the loop retries next round)."""
         live = await self.kube.get_deployment(namespace, name)
         if live is None or live["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
@@ -287,7 +281,7 @@ class AutoscaleController:
             await self.kube.patch_status(namespace, name, leftovers)
         if not bounds:
             self.forget(namespace, name)
-            # Remember the round so the timer does not re-read this object every few seconds.
+            # Remember the round so the loop does not re-read this object every few seconds.
             self._memory[(namespace, name)] = _Memory(last_tick=self.clock())
             return None
         config = autoscaler_config(spec)
@@ -350,14 +344,15 @@ class AutoscaleController:
             c: {"autoscaler": autoscaler_status(d, (old_pools.get(c) or {}).get("autoscaler"))}
             for c, d in decisions.items()
         }
-        conditions = list(status.get("conditions") or [])
-        previous = next((c for c in conditions if c.get("type") == METRICS_AVAILABLE), None)
+        conditions = status.get("conditions")
         mine = metrics_condition(
-            decisions, now, previous, int(generation) if isinstance(generation, int) else None
+            decisions,
+            now,
+            find_condition(conditions, METRICS_AVAILABLE),
+            int(generation) if isinstance(generation, int) else None,
         )
         # A merge patch replaces the list: keep every other writer's conditions as they are.
-        conditions = [c for c in conditions if c.get("type") != METRICS_AVAILABLE] + [mine]
-        return {"pools": pools, "conditions": conditions}
+        return {"pools": pools, "conditions": with_condition(conditions, METRICS_AVAILABLE, mine)}
 
 
 def _comparable(decisions: Mapping[str, PoolDecision]) -> dict[str, Any]:

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
+
+from sovereign_operator.vocabulary import METRICS_AVAILABLE, condition, rfc3339
 
 from .types import PoolDecision
 
 HISTORY_LIMIT = 10
-METRICS_AVAILABLE = "MetricsAvailable"
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _number(value: float | None) -> float | None:
@@ -90,16 +86,4 @@ def metrics_condition(
         message = (
             "metrics collected from " + ", ".join(sorted(decisions)) if decisions else "no autoscaled pools"
         )
-    transition = rfc3339(now)
-    if previous and previous.get("status") == status and previous.get("lastTransitionTime"):
-        transition = previous["lastTransitionTime"]
-    cond: dict[str, Any] = {
-        "type": METRICS_AVAILABLE,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": transition,
-    }
-    if observed_generation is not None:
-        cond["observedGeneration"] = observed_generation
-    return cond
+    return condition(METRICS_AVAILABLE, status, reason, message, rfc3339(now), previous, observed_generation)

@@ -28,14 +28,23 @@ from sovereign_operator.render.plan import (
     startup_failure_threshold,
     with_operator_defaults,
 )
+from sovereign_operator.vocabulary import (
+    APP_NAME,
+    COMPONENT_LABEL,
+    INSTANCE_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    NAME_LABEL,
+    RUNTIME_PORT,
+    config_name,
+    pool_name,
+    router_name,
+)
 
-RUNTIME_PORT = 8000
 # The decode role's KV receiver (`serve --kv-port`, default 8001); prefill instances dial the pod IP.
 KV_PORT = 8001
 MODEL_MOUNT = "/models"
 JIT_CACHE_MOUNT = "/var/cache/sovereign/jit"
-MANAGED_BY = "sovereign-operator"
-APP_NAME = "sovereign"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -90,28 +99,12 @@ class Rendered:
 # ---- names and metadata ------------------------------------------------------------------------
 
 
-def pool_name(deployment: str, component: str) -> str:
-    return f"{deployment}-{component}"
-
-
-def router_name(deployment: str) -> str:
-    return f"{deployment}-router"
-
-
-def config_name(deployment: str) -> str:
-    return f"{deployment}-runtime"
-
-
 def selector_labels(deployment: str, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/instance": deployment,
-        "app.kubernetes.io/name": APP_NAME,
-    }
+    return {COMPONENT_LABEL: component, INSTANCE_LABEL: deployment, NAME_LABEL: APP_NAME}
 
 
 def child_labels(deployment: str, component: str) -> dict[str, str]:
-    return _sorted({**selector_labels(deployment, component), "app.kubernetes.io/managed-by": MANAGED_BY})
+    return _sorted({**selector_labels(deployment, component), MANAGED_BY_LABEL: MANAGED_BY})
 
 
 def _metadata(ref: DeploymentRef, name: str, component: str) -> dict[str, Any]:

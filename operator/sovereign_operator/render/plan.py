@@ -130,9 +130,8 @@ def sticky_plan(status: Mapping[str, Any] | None, generation: int) -> ModePlan |
 
 
 def pool_spec_for(spec: LLMDeploymentSpec, component: Component) -> PoolSpec:
-    """The spec that configures a pool; the unified pool takes the decode pool's settings."""
-    configured = spec.prefill if component == "prefill" else spec.decode
-    return configured if configured is not None else PoolSpec()
+    """The spec that configures a pool (defaults where the spec leaves it out)."""
+    return spec.pool_for(component) or PoolSpec()
 
 
 def components_for(mode: ResolvedMode) -> tuple[Component, ...]:

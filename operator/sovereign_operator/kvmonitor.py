@@ -1,8 +1,9 @@
 """Collecting `GET /health/kv` from prefill and decode pods and writing `KVTransferHealthy`.
 
-Driven by the autoscaler's periodic loop (`timer.py`), with the same pod listing and HTTP session; free of kopf so tests drive it with fakes and loopback servers. Writes only when
-the condition changed (steady state: no write, and no apiserver read beyond the pod listing), then
-asks the reconciler to refresh status so `Degraded` follows the condition.
+Driven by the operator's periodic loop (loop.py), sharing the autoscaler's HTTP session; free of
+kopf so tests drive it with fakes and loopback servers. Writes only when the condition changed
+(steady state: no write, and no apiserver read beyond the pod listing), then asks the reconciler to
+refresh status so `Degraded` follows the condition.
 """
 
 from __future__ import annotations
@@ -22,15 +23,20 @@ from sovereign_operator.kvhealth import (
     KVReport,
     conditions_patch,
     counters,
-    find_condition,
     kv_condition,
     kv_condition_fields,
+)
+from sovereign_operator.vocabulary import (
+    KV_TRANSFER_HEALTHY,
+    READY,
+    find_condition,
+    pod_component,
+    pod_is_ready,
+    pod_url,
     same_condition,
 )
-from sovereign_operator.render.children import RUNTIME_PORT
 
 log = logging.getLogger(__name__)
-COMPONENT_LABEL = "app.kubernetes.io/component"
 HEALTH_PATH = "/health/kv"
 # Often enough that a fallback shows within a minute; cheap (one small GET per pod).
 KV_INTERVAL_S = 15.0
@@ -45,14 +51,7 @@ class KubeLike(Protocol):
 
 
 def default_health_url(pod: Mapping[str, Any]) -> str | None:
-    ip = (pod.get("status") or {}).get("podIP")
-    return f"http://{ip}:{RUNTIME_PORT}{HEALTH_PATH}" if ip else None
-
-
-def _is_ready(pod: Mapping[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    return ready and not pod["metadata"].get("deletionTimestamp")
+    return pod_url(pod, HEALTH_PATH)
 
 
 async def read_kv_health(
@@ -79,9 +78,13 @@ async def read_kv_health(
 def _undetermined(status: Mapping[str, Any]) -> bool:
     if status.get("mode") != "disaggregated":
         return False
-    ready = find_condition(status, "Ready")
-    kv = find_condition(status)
+    ready = find_condition(status.get("conditions"), READY)
+    kv = _kv_condition_of(status)
     return bool(ready and ready.get("status") == "True") and (kv is None or kv.get("status") == "Unknown")
+
+
+def _kv_condition_of(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return find_condition(status.get("conditions"), KV_TRANSFER_HEALTHY)
 
 
 @dataclass
@@ -132,8 +135,8 @@ class KVHealthMonitor:
         ready: dict[str, int] = {c: 0 for c in KV_COMPONENTS}
         targets: list[tuple[str, str, str]] = []
         for pod in pods:
-            component = (pod["metadata"].get("labels") or {}).get(COMPONENT_LABEL)
-            if component not in ready or not _is_ready(pod):
+            component = pod_component(pod)
+            if component is None or component not in ready or not pod_is_ready(pod):
                 continue
             ready[component] += 1
             url = self.pod_url(pod)
@@ -164,8 +167,8 @@ class KVHealthMonitor:
             seen = {r.pod: c for r in reports if (c := counters(r)) is not None}
         else:
             seen = {}
-        wanted = None if fields is None else kv_condition(fields, find_condition(status), now, generation)
-        if same_condition(find_condition(status), wanted):
+        wanted = None if fields is None else kv_condition(fields, _kv_condition_of(status), now, generation)
+        if same_condition(_kv_condition_of(status), wanted):
             memory.counters = seen
             return wanted
         # The watched body may lag behind our own last write: decide on the live object.
@@ -175,7 +178,7 @@ class KVHealthMonitor:
             return None
         live_status = live.get("status") or {}
         if fields is not None:
-            wanted = kv_condition(fields, find_condition(live_status), now, generation)
+            wanted = kv_condition(fields, _kv_condition_of(live_status), now, generation)
         patch = conditions_patch(live_status, wanted)
         if patch is not None:
             # A conflict propagates; the counters stay, so the next round sees the same news.

@@ -1,0 +1,117 @@
+"""The operator's periodic loop: autoscaling and KV health for every LLMDeployment it serves.
+
+Every TICK_SECONDS the loop takes the LLMDeployments kopf has indexed (handlers.py: kopf's watch of
+exactly the namespaces `run --namespace` serves, so the loop lists nothing itself) and runs a round
+for each, as its own task: a slow or failing object never delays another, and an object whose
+previous round is still running is skipped. The autoscaler skips rounds until the deployment's
+`spec.autoscaling.intervalSeconds` has passed, so the interval is per object; the KV-health monitor
+reads the prefill and decode pods' `/health/kv` every KV_INTERVAL_S and keeps `KVTransferHealthy`.
+
+Not a `@kopf.timer`: kopf puts a finalizer on every object a timer serves, and a namespace-restricted
+kopf stops serving a namespace marked for deletion before releasing those finalizers, so deleting
+the namespace hung. This loop needs no finalizer; children go by their owner references. It is
+free of kopf: handlers.py builds it at startup and closes it at cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from sovereign_operator.api.spec import AutoscalingSpec
+from sovereign_operator.autoscale.controller import AutoscaleController
+from sovereign_operator.kvmonitor import KVHealthMonitor
+
+TICK_SECONDS = 5.0
+# What a spec without `autoscaling.intervalSeconds` gets (the CRD's default, from the model).
+DEFAULT_INTERVAL_S = float(AutoscalingSpec.model_fields["interval_seconds"].default)
+
+Key = tuple[str, str]
+
+
+def _interval_s(body: Mapping[str, Any]) -> float:
+    # The watched spec is enough to know the interval: no apiserver read between rounds.
+    autoscaling = (body.get("spec") or {}).get("autoscaling") or {}
+    return float(autoscaling.get("intervalSeconds", DEFAULT_INTERVAL_S))
+
+
+class OperatorLoop:
+    """Rounds for the LLMDeployments `served()` returns (plain bodies as the apiserver has them)."""
+
+    def __init__(
+        self,
+        served: Callable[[], Iterable[Mapping[str, Any]]],
+        autoscaler: AutoscaleController,
+        kv_monitor: KVHealthMonitor,
+        *,
+        tick_s: float = TICK_SECONDS,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.served = served
+        self.autoscaler = autoscaler
+        self.kv_monitor = kv_monitor
+        self.tick_s = tick_s
+        self.log = logger or logging.getLogger(__name__)
+        self.rounds: dict[Key, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="operator loop")
+
+    async def close(self) -> None:
+        """Stop the loop and every round in flight, then close the autoscaler's HTTP session."""
+        tasks = [t for t in (self._task, *self.rounds.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self.rounds.clear()
+        await self.autoscaler.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.tick()
+
+    def tick(self) -> None:
+        """Start a round for every served LLMDeployment whose previous round has finished; forget
+        the ones no longer served."""
+        present: set[Key] = set()
+        for body in list(self.served()):
+            meta = body["metadata"]
+            key = (meta["namespace"], meta["name"])
+            if meta.get("deletionTimestamp"):
+                continue  # going away: owner references take the children, nothing to scale
+            present.add(key)
+            running = self.rounds.get(key)
+            if running is not None and not running.done():
+                continue
+            self.rounds[key] = asyncio.create_task(self._isolated(key, body), name=f"round {key[0]}/{key[1]}")
+        for key in [k for k, task in self.rounds.items() if k not in present and task.done()]:
+            # Deleted (or no longer served): drop its memory and its gauges.
+            del self.rounds[key]
+            self.autoscaler.forget(*key)
+            self.kv_monitor.forget(*key)
+
+    async def _isolated(self, key: Key, body: Mapping[str, Any]) -> None:
+        try:
+            await self.round(key[0], key[1], body)
+        except Exception as error:  # isolation: one object's failure never stops the loop or another
+            self.log.warning("round for %s/%s failed: %s", key[0], key[1], error)
+
+    async def round(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        """One object's round: autoscaling when its interval has passed, KV health when due. A
+        failed half is skipped until the next round, never retried in a hot loop."""
+        if self.autoscaler.due(namespace, name, _interval_s(body)):
+            try:
+                await self.autoscaler.tick(namespace, name)
+            except Exception as error:
+                self.log.warning("autoscaling round for %s/%s failed: %s", namespace, name, error)
+        if self.kv_monitor.due(namespace, name, body):
+            try:
+                await self.kv_monitor.tick(namespace, name, body)
+            except Exception as error:
+                self.log.warning("KV health round for %s/%s failed: %s", namespace, name, error)

@@ -1,0 +1,177 @@
+"""The operator's periodic loop (loop.py) and its wiring in handlers.py: fed by a kopf index, never a
+kopf timer (no finalizer), one isolated round per object, KV health in the same round, Events
+posted without kopf's per-object context."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from operator_fakes import FakeKube, body_for
+from operator_specs import TINY_SPEC
+from sovereign_operator import handlers, metrics
+from sovereign_operator.autoscale.controller import AutoscaleController
+from sovereign_operator.kvmonitor import KVHealthMonitor
+from sovereign_operator.loop import OperatorLoop
+from sovereign_operator.observe import Observed, Problem
+from sovereign_operator.vocabulary import KV_TRANSFER_HEALTHY
+
+
+def test_the_loop_is_fed_by_a_kopf_index_not_a_timer_so_objects_get_no_finalizer() -> None:
+    registry = kopf.get_default_registry()
+    # No timers or daemons: kopf would put a finalizer on every LLMDeployment for them.
+    assert not registry._spawning.get_all_handlers()
+    assert not [h for h in registry._changing.get_all_handlers() if h.requires_finalizer]
+    indexing = registry._indexing.get_all_handlers()
+    assert [h.fn for h in indexing] == [handlers.index_deployment]
+    assert indexing[0].id == "llmdeployments"  # the keyword the startup handler takes it by
+    activities = {h.fn for h in registry._activities.get_all_handlers()}
+    assert {handlers.configure, handlers.shutdown} <= activities
+    body = kopf.Body({"metadata": {"name": "a", "namespace": "n"}, "spec": {"mode": "auto"}, "status": {}})
+    assert handlers.index_deployment(namespace="n", name="a", body=body) == {
+        ("n", "a"): {"metadata": {"name": "a", "namespace": "n"}, "spec": {"mode": "auto"}, "status": {}}
+    }
+
+
+def test_assemble_builds_every_part_on_one_client_and_posts_the_reconcilers_problems() -> None:
+    kube = FakeKube(body_for(TINY_SPEC))
+    saved = copy.copy(handlers.STATE)
+    try:
+        index: dict[tuple[str, str], list[dict[str, Any]]] = {("ns", "llm"): [kube.body]}
+        events, loop = handlers.assemble(kube, index)  # type: ignore[arg-type]
+        assert handlers.STATE.loop is loop and handlers.STATE.events is events
+        assert handlers.STATE.reconciler is not None and handlers.STATE.reconciler.kube is kube
+        assert loop.autoscaler.kube is kube and loop.kv_monitor.kube is kube
+        assert [b["metadata"]["name"] for b in loop.served()] == ["llm"]
+        # The autoscaler's gauges live in the registry the operator serves on /metrics.
+        assert loop.autoscaler.exporter is handlers.AUTOSCALER_METRICS
+        loop.autoscaler.exporter.observe("ns", "llm", [])
+        assert "sovereign_autoscaler_desired_replicas" in {m.name for m in metrics.REGISTRY.collect()}
+
+        async def scenario() -> None:
+            events.start()
+            handlers.STATE.reconciler.report_problem(kube.body, Problem("InvalidSpec", "spec.model: x"))
+            await events.flush()
+            await events.close()
+
+        asyncio.run(scenario())
+        [event] = kube.events
+        assert (event["type"], event["reason"], event["message"]) == (
+            "Warning",
+            "InvalidSpec",
+            "spec.model: x",
+        )
+        assert event["involvedObject"]["name"] == "llm" and event["involvedObject"]["kind"] == "LLMDeployment"
+    finally:
+        for name, value in vars(saved).items():
+            setattr(handlers.STATE, name, value)
+
+
+class RecordingPart:
+    """Stands in for the autoscaler and the KV monitor: records what the loop forgets."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[tuple[str, str]] = []
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.forgotten.append((namespace, name))
+
+    async def close(self) -> None:
+        pass
+
+
+def obj(namespace: str, name: str, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"namespace": namespace, "name": name}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {}}
+
+
+def test_rounds_are_isolated_skip_objects_still_running_and_forget_the_unserved() -> None:
+    served = [obj("a", "x"), obj("a", "y"), obj("b", "z"), obj("a", "gone", deleting=True)]
+    autoscaler, monitor = RecordingPart(), RecordingPart()
+    loop = OperatorLoop(lambda: served, autoscaler, monitor)  # type: ignore[arg-type]
+    seen: list[tuple[str, str]] = []
+    release = asyncio.Event()
+
+    async def fake_round(namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        seen.append((namespace, name))
+        if name == "x":
+            raise RuntimeError("boom")  # isolated: the others still run
+        if name == "y":
+            await release.wait()  # a slow round: the next tick skips it, never stacks a second
+
+    loop.round = fake_round  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        loop.tick()
+        await asyncio.sleep(0)
+        assert sorted(seen) == [("a", "x"), ("a", "y"), ("b", "z")]  # not the one being deleted
+        loop.tick()
+        await asyncio.sleep(0)
+        assert sorted(seen) == [("a", "x"), ("a", "x"), ("a", "y"), ("b", "z"), ("b", "z")]  # y in flight
+        release.set()
+        await asyncio.sleep(0)
+        served[:] = [obj("b", "z")]  # x and y deleted (kopf's index drops them)
+        seen.clear()
+        loop.tick()
+        await asyncio.sleep(0)
+        assert seen == [("b", "z")] and set(loop.rounds) == {("b", "z")}
+        assert sorted(autoscaler.forgotten) == sorted(monitor.forgotten) == [("a", "x"), ("a", "y")]
+        loop.start()  # the periodic task; close stops it and every round in flight
+        await loop.close()
+        assert not loop.rounds
+
+    asyncio.run(scenario())
+
+
+class MonitorKube:
+    """A Ready disaggregated LLMDeployment whose pods are listed separately (none ready yet)."""
+
+    def __init__(self) -> None:
+        ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+        self.body: dict[str, Any] = {
+            "metadata": {"name": "llm", "namespace": "ns", "generation": 2, "resourceVersion": "1"},
+            "spec": copy.deepcopy(TINY_SPEC),
+            "status": {"mode": "disaggregated", "kvTransport": "tcp", "conditions": [ready]},
+        }
+
+    async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.body)
+
+    async def observe(self, namespace: str, instance: str) -> Observed:
+        return Observed()
+
+    async def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None
+    ) -> None:
+        self.body["status"].update(copy.deepcopy(patch))
+
+
+def test_a_round_runs_the_autoscaler_and_the_kv_monitor_and_degraded_follows() -> None:
+    kube = MonitorKube()
+    refreshed: list[tuple[str, str]] = []
+
+    async def reconcile(_: Mapping[str, Any]) -> None:
+        raise AssertionError("nothing is autoscaled: no re-render")
+
+    async def refresh(namespace: str, name: str) -> None:
+        refreshed.append((namespace, name))
+
+    async def scenario() -> None:
+        autoscaler = AutoscaleController(kube, reconcile)
+        monitor = KVHealthMonitor(kube, autoscaler.http_session, on_change=refresh)
+        loop = OperatorLoop(lambda: [kube.body], autoscaler, monitor, logger=logging.getLogger("test"))
+        await loop.round("ns", "llm", copy.deepcopy(kube.body))
+        assert not autoscaler.due("ns", "llm", 30)  # the autoscaler's round happened too
+        await loop.close()
+
+    asyncio.run(scenario())
+    # No ready pods behind a Ready object: Unknown, and Degraded refreshed.
+    kv = kube.body["status"]["conditions"][-1]
+    assert (kv["type"], kv["status"], kv["reason"]) == (KV_TRANSFER_HEALTHY, "Unknown", "PodsNotReady")
+    assert refreshed == [("ns", "llm")]
