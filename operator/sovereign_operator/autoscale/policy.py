@@ -1,14 +1,20 @@
 """The scaling policy: a pure function from (time, observations, config, state) to decisions.
 
-Shape of one tick, per pool:
-  1. metrics missing, stale or from no pod -> hold (never scale on absent data), reason for a condition;
+Shape of one tick, per pool (`decide_pool`, one function per stage):
+  0. first what acts whatever the metrics say: replicas outside the spec's bounds are clamped
+     (`_outside_bounds`), pods Pending-unschedulable too long cap the pool (`_cap_unschedulable`);
+  1. metrics missing, stale or from no pod -> hold (never scale on absent data), reason for a
+     condition (`_without_metrics`);
   2. each signal gives the replica count it alone would want (ratio signals: ceil(base * value/target)
-     outside a tolerance band; latency signals: +1 above target, -1 well below it, else hold); the
-     pool's recommendation is the largest, and that signal is "the driver";
+     outside a tolerance band, sized for the lead-time forecast; latency signals: +1 above target,
+     -1 well below it, else hold); the pool's recommendation is the largest, and that signal is
+     "the driver" (`_signals`);
   3. stabilisation: scale up only to the smallest recommendation seen in the up window, down only to
-     the largest seen in the (longer) down window, and only once that much history exists;
+     the largest seen in the (longer) down window, and only once that much history exists
+     (`_stabilise`);
   4. guards: no new scale-up while the last one's replicas are still starting (lead time = measured
-     startup duration), a capacity cap when pods stay Pending-unschedulable, bounded steps, min/max;
+     startup duration), the capacity cap, bounded steps, no scale-down on partial data
+     (`_guarded`, `_scale_up`, `_scale_down`);
 then across pools the prefill:decode ratio bounds, preferring to raise the smaller side.
 """
 
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .types import (
     SIGNAL_ITL,
@@ -185,44 +191,95 @@ def _window(state: PoolState, now: float, seconds: float) -> list[int]:
     return [r for t, r in state.recommendations if t >= now - seconds - 1e-6]
 
 
-def _decision(
-    name: str,
-    inp: PoolInput,
-    now: float,
-    desired: int,
-    reason: str,
-    *,
-    driver: SignalReading | None,
-    readings: list[SignalReading],
-    metrics_available: bool = True,
-    limited_by: str | None = None,
-) -> PoolDecision:
-    prev = inp.replicas.desired
-    direction: Direction = "up" if desired > prev else "down" if desired < prev else "hold"
-    return PoolDecision(
-        pool=name,
-        role=inp.role,
-        time=now,
-        desired=desired,
-        previous=prev,
-        current=inp.replicas.current,
-        ready=inp.replicas.ready,
-        direction=direction,
-        signal=driver.signal if driver else SIGNAL_NONE,
-        value=driver.value if driver else None,
-        target=driver.target if driver else None,
-        reason=reason,
-        metrics_available=metrics_available,
-        limited_by=limited_by,
-        readings=tuple(readings),
-    )
-
-
 def _describe(reading: SignalReading) -> str:
     text = f"{reading.signal} {reading.value:.3g} vs target {reading.target:.3g}"
     if reading.forecast is not None and reading.forecast > reading.value:
         text += f" (rising: {reading.forecast:.3g} expected within the startup lead time)"
     return text
+
+
+@dataclass
+class _Tick:
+    """One pool's tick: what it decides from, and the state it builds (a copy of the caller's)."""
+
+    name: str
+    inp: PoolInput
+    pool: PoolConfig
+    config: AutoscalerConfig
+    state: PoolState
+    now: float
+
+    @property
+    def prev(self) -> int:
+        return self.inp.replicas.desired
+
+    @property
+    def lo(self) -> int:
+        return self.pool.min_replicas
+
+    @property
+    def hi(self) -> int:
+        return max(self.pool.min_replicas, self.pool.max_replicas)
+
+    @property
+    def lead(self) -> float:
+        """Startup lead time: measured for this pool, else the configured default."""
+        return self.inp.startup_seconds or self.config.default_startup_s
+
+    def decision(
+        self,
+        desired: int,
+        reason: str,
+        *,
+        driver: SignalReading | None = None,
+        readings: list[SignalReading] | None = None,
+        metrics_available: bool = True,
+        limited_by: str | None = None,
+    ) -> PoolDecision:
+        prev = self.prev
+        direction: Direction = "up" if desired > prev else "down" if desired < prev else "hold"
+        return PoolDecision(
+            pool=self.name,
+            role=self.inp.role,
+            time=self.now,
+            desired=desired,
+            previous=prev,
+            current=self.inp.replicas.current,
+            ready=self.inp.replicas.ready,
+            direction=direction,
+            signal=driver.signal if driver else SIGNAL_NONE,
+            value=driver.value if driver else None,
+            target=driver.target if driver else None,
+            reason=reason,
+            metrics_available=metrics_available,
+            limited_by=limited_by,
+            readings=tuple(readings or ()),
+        )
+
+    def metrics_usable(self) -> bool:
+        return metrics_problem(self.inp.metrics, self.now, self.config) is None
+
+
+@dataclass(frozen=True)
+class _Driven:
+    """Stage 2's outcome: the readings and the one that drives (the largest recommendation)."""
+
+    readings: list[SignalReading]
+    driver: SignalReading
+
+    @property
+    def why(self) -> str:
+        return _describe(self.driver)
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """Stage 3's outcome: where the stabilisation windows allow the pool to go."""
+
+    recommendation: int  # the driver's, within bounds
+    up_to: int
+    down_to: int
+    history_s: float
 
 
 def decide_pool(
@@ -233,17 +290,30 @@ def decide_pool(
     state: PoolState,
     now: float,
 ) -> tuple[PoolDecision, PoolState]:
-    """One pool's decision before cross-pool ratio bounds. Returns a new state; the input is untouched."""
-    state = replace(state, recommendations=list(state.recommendations))
-    if state.first_seen is None:
-        state.first_seen = now
-    reps = inp.replicas
-    prev = reps.desired
-    lo, hi = pool.min_replicas, max(pool.min_replicas, pool.max_replicas)
+    """One pool's decision before cross-pool ratio bounds, in the stages of the module docstring.
+    Returns a new state; the input is untouched."""
+    tick = _Tick(name, inp, pool, config, replace(state, recommendations=list(state.recommendations)), now)
+    if tick.state.first_seen is None:
+        tick.state.first_seen = now
+    cap = _capacity_cap(tick)
+    early = _outside_bounds(tick) or _cap_unschedulable(tick) or _without_metrics(tick)
+    if early is not None:
+        return early, tick.state
+    assert inp.metrics is not None  # _without_metrics held otherwise
+    driven = _signals(tick, inp.metrics)
+    if driven is None:
+        return tick.decision(
+            tick.prev, f"holding at {tick.prev}: no signal configured for this pool"
+        ), tick.state
+    windows = _stabilise(tick, driven.driver)
+    return _guarded(tick, cap, driven, windows, inp.metrics), tick.state
 
-    # Capacity cap: it binds until capacity_cap_until; the backoff resets only once the pool has
-    # grown past the old cap with every pod ready (GPUs were found after all).
-    if state.capacity_cap_until is not None and now >= state.capacity_cap_until:
+
+def _capacity_cap(tick: _Tick) -> int | None:
+    """The capacity cap in force. It binds until capacity_cap_until; the backoff resets only once
+    the pool has grown past the old cap with every pod ready (GPUs were found after all)."""
+    state, reps = tick.state, tick.inp.replicas
+    if state.capacity_cap_until is not None and tick.now >= state.capacity_cap_until:
         state.capacity_cap_until = None
     if (
         state.capacity_cap is not None
@@ -253,78 +323,73 @@ def decide_pool(
     ):
         state.capacity_cap = None
         state.capacity_backoff_s = None
-    cap = state.capacity_cap if state.capacity_cap_until is not None else None
+    return state.capacity_cap if state.capacity_cap_until is not None else None
 
-    # Bounds changed by the user act at once, whatever the metrics say.
-    if prev < lo or prev > hi:
-        desired = _clamp(prev, lo, hi)
-        return _decision(
-            name,
-            inp,
-            now,
-            desired,
-            f"replicas {prev} outside bounds [{lo}, {hi}]",
-            driver=None,
-            readings=[],
-            limited_by="bounds",
-            metrics_available=metrics_problem(inp.metrics, now, config) is None,
-        ), state
 
-    # Pods the scheduler cannot place for too long: stop asking for them (reported, retried later).
-    # Not when minReplicas itself asks for them: then there is nothing to give back.
-    new_cap = max(lo, prev - reps.pending_unschedulable)
-    if (
+def _outside_bounds(tick: _Tick) -> PoolDecision | None:
+    """Bounds changed by the user act at once, whatever the metrics say."""
+    prev, lo, hi = tick.prev, tick.lo, tick.hi
+    if lo <= prev <= hi:
+        return None
+    return tick.decision(
+        _clamp(prev, lo, hi),
+        f"replicas {prev} outside bounds [{lo}, {hi}]",
+        limited_by="bounds",
+        metrics_available=tick.metrics_usable(),
+    )
+
+
+def _cap_unschedulable(tick: _Tick) -> PoolDecision | None:
+    """Pods the scheduler cannot place for too long: stop asking for them (reported, retried
+    later). Not when minReplicas itself asks for them: then there is nothing to give back."""
+    reps, config, state, prev = tick.inp.replicas, tick.config, tick.state, tick.prev
+    new_cap = max(tick.lo, prev - reps.pending_unschedulable)
+    if not (
         reps.pending_unschedulable > 0
         and reps.unschedulable_for >= config.pending_timeout_s
         and new_cap < prev
     ):
-        backoff = (
-            config.capacity_backoff_s
-            if state.capacity_backoff_s is None
-            else min(config.capacity_backoff_max_s, state.capacity_backoff_s * 2)
-        )
-        state.capacity_cap, state.capacity_cap_until, state.capacity_backoff_s = (
-            new_cap,
-            now + backoff,
-            backoff,
-        )
-        state.scale_up_target = None
-        return _decision(
-            name,
-            inp,
-            now,
-            new_cap,
-            f"{reps.pending_unschedulable} pod(s) Pending unschedulable for {reps.unschedulable_for:.0f}s "
-            f"(no free GPUs?): capped at {new_cap} replicas, retry in {backoff:.0f}s",
-            driver=None,
-            readings=[],
-            limited_by="capacity",
-            metrics_available=metrics_problem(inp.metrics, now, config) is None,
-        ), state
+        return None
+    backoff = (
+        config.capacity_backoff_s
+        if state.capacity_backoff_s is None
+        else min(config.capacity_backoff_max_s, state.capacity_backoff_s * 2)
+    )
+    state.capacity_cap, state.capacity_cap_until, state.capacity_backoff_s = (
+        new_cap,
+        tick.now + backoff,
+        backoff,
+    )
+    state.scale_up_target = None
+    return tick.decision(
+        new_cap,
+        f"{reps.pending_unschedulable} pod(s) Pending unschedulable for {reps.unschedulable_for:.0f}s "
+        f"(no free GPUs?): capped at {new_cap} replicas, retry in {backoff:.0f}s",
+        limited_by="capacity",
+        metrics_available=tick.metrics_usable(),
+    )
 
-    problem = metrics_problem(inp.metrics, now, config)
-    if problem is not None or inp.metrics is None:
-        return _decision(
-            name,
-            inp,
-            now,
-            prev,
-            f"holding at {prev}: {problem}",
-            driver=None,
-            readings=[],
-            metrics_available=False,
-            limited_by="metrics",
-        ), state
-    metrics = inp.metrics
 
-    # Lead-time forecast: remember each ratio signal's pool-wide total and, if it rises
-    # significantly, size for where it will be when a pod started now becomes ready.
-    lead = inp.startup_seconds or config.default_startup_s
+def _without_metrics(tick: _Tick) -> PoolDecision | None:
+    """Stage 1: metrics missing, stale or from no pod hold the pool."""
+    problem = metrics_problem(tick.inp.metrics, tick.now, tick.config)
+    if problem is None and tick.inp.metrics is not None:
+        return None
+    return tick.decision(
+        tick.prev, f"holding at {tick.prev}: {problem}", metrics_available=False, limited_by="metrics"
+    )
+
+
+def _signals(tick: _Tick, metrics: PoolMetrics) -> _Driven | None:
+    """Stage 2: every configured signal's recommendation, ratio signals sized for the lead-time
+    forecast; None when the pool has no signal. Remembers each ratio signal's pool-wide total and,
+    if it rises significantly, sizes for where it will be when a pod started now becomes ready."""
+    config, now, lead = tick.config, tick.now, tick.lead
     base = max(1, metrics.pods_reporting)
     forecasts: dict[str, float] = {}
-    demand = {k: list(v) for k, v in state.demand.items()}
+    demand = {k: list(v) for k, v in tick.state.demand.items()}
     horizon = min(max(lead, config.forecast_min_window_s), config.forecast_max_window_s)
-    for signal, value, _target in ratio_values(inp, pool, metrics):
+    for signal, value, _target in ratio_values(tick.inp, tick.pool, metrics):
         series = [(t, y) for t, y in demand.get(signal, []) if t >= now - horizon]
         series.append((now, value * base))
         demand[signal] = series
@@ -333,145 +398,131 @@ def decide_pool(
             if total is not None:
                 # Never more than double the measured load: a forecast nudges, it does not invent.
                 forecasts[signal] = min(total, 2 * value * base) / base
-    state.demand = demand
-    readings = evaluate_signals(inp, pool, config, metrics, forecasts)
+    tick.state.demand = demand
+    readings = evaluate_signals(tick.inp, tick.pool, config, metrics, forecasts)
     if not readings:
-        return _decision(
-            name,
-            inp,
-            now,
-            prev,
-            f"holding at {prev}: no signal configured for this pool",
-            driver=None,
-            readings=[],
-        ), state
-    driver = max(readings, key=lambda r: r.recommendation)
-    rec = _clamp(driver.recommendation, lo, hi)
+        return None
+    return _Driven(readings, max(readings, key=lambda r: r.recommendation))
+
+
+def _stabilise(tick: _Tick, driver: SignalReading) -> _Windows:
+    """Stage 3: remember the recommendation; up only to the smallest of the up window, down only to
+    the largest of the down window. A window only counts once it is covered by history (also after
+    an operator restart)."""
+    config, state, now = tick.config, tick.state, tick.now
+    rec = _clamp(driver.recommendation, tick.lo, tick.hi)
     state.recommendations.append((now, rec))
     keep = max(config.scale_up_stabilization_s, config.scale_down_stabilization_s) + config.interval_s
     state.recommendations = [(t, r) for t, r in state.recommendations if t >= now - keep]
-
-    # A window only counts once it is covered by history (also after an operator restart).
-    history = now - state.first_seen
+    history = now - (state.first_seen if state.first_seen is not None else now)
     up_to = min(_window(state, now, config.scale_up_stabilization_s))
     if history + 1e-6 < config.scale_up_stabilization_s:
-        up_to = min(up_to, prev)
+        up_to = min(up_to, tick.prev)
     down_to = max(_window(state, now, config.scale_down_stabilization_s))
-    why = _describe(driver)
+    return _Windows(rec, up_to, down_to, history)
 
+
+def _guarded(
+    tick: _Tick, cap: int | None, driven: _Driven, windows: _Windows, metrics: PoolMetrics
+) -> PoolDecision:
+    """Stage 4: the guards between what the windows allow and the decision."""
+    state, reps, prev = tick.state, tick.inp.replicas, tick.prev
     # In-flight scale-up: done once enough pods are ready, or if we have since scaled below it.
     if state.scale_up_target is not None and (
         reps.ready >= state.scale_up_target or prev < state.scale_up_target
     ):
         state.scale_up_target = None
-
-    if up_to > prev:
-        target, limited = up_to, None
-        if cap is not None and target > cap:
-            target, limited = cap, "capacity"
-            if target <= prev:
-                return _decision(
-                    name,
-                    inp,
-                    now,
-                    prev,
-                    f"{why} wants {up_to}, but capped at {cap} until pods can be scheduled",
-                    driver=driver,
-                    readings=readings,
-                    limited_by="capacity",
-                ), state
-        if state.scale_up_target is not None and state.last_scale_up_time is not None:
-            lead = inp.startup_seconds or config.default_startup_s
-            elapsed = now - state.last_scale_up_time
-            if elapsed < lead * config.stuck_startup_factor:
-                waiting = max(0, state.scale_up_target - reps.ready)
-                return _decision(
-                    name,
-                    inp,
-                    now,
-                    prev,
-                    f"{why} wants {up_to}; waiting for {waiting} replica(s) still starting "
-                    f"({elapsed:.0f}s of ~{lead:.0f}s lead time)",
-                    driver=driver,
-                    readings=readings,
-                    limited_by="starting",
-                ), state
-        step = max(config.scale_up_max_pods, math.ceil(prev * config.scale_up_max_percent / 100.0))
-        if target > prev + step:
-            target, limited = prev + step, "step"
-        return _decision(
-            name,
-            inp,
-            now,
-            target,
-            f"scale up {prev}->{target}: {why}"
-            + (f" (wants {up_to}, step-limited)" if limited == "step" else ""),
-            driver=driver,
-            readings=readings,
-            limited_by=limited,
-        ), state
-
-    if down_to < prev:
-        if history + 1e-6 < config.scale_down_stabilization_s:
-            return _decision(
-                name,
-                inp,
-                now,
-                prev,
-                f"holding at {prev}: {why} suggests {down_to}, but scale-down waits for "
-                f"{config.scale_down_stabilization_s:.0f}s of history ({history:.0f}s so far)",
-                driver=driver,
-                readings=readings,
-                limited_by="stabilization",
-            ), state
-        if metrics.pods_reporting < metrics.pods_expected:
-            return _decision(
-                name,
-                inp,
-                now,
-                prev,
-                f"holding at {prev}: only {metrics.pods_reporting}/{metrics.pods_expected} pods reported "
-                "metrics; not scaling down on partial data",
-                driver=driver,
-                readings=readings,
-                limited_by="partial-metrics",
-            ), state
-        target = max(down_to, prev - config.scale_down_max_pods)
-        limited = "step" if target != down_to else None
-        return _decision(
-            name,
-            inp,
-            now,
-            target,
-            f"scale down {prev}->{target}: highest recommendation over "
-            f"{config.scale_down_stabilization_s:.0f}s is {down_to} ({why})",
-            driver=driver,
-            readings=readings,
-            limited_by=limited,
-        ), state
-
-    limited = "stabilization" if rec != prev else None
+    if windows.up_to > prev:
+        return _scale_up(tick, cap, driven, windows.up_to)
+    if windows.down_to < prev:
+        return _scale_down(tick, driven, windows, metrics)
+    rec = windows.recommendation
     if rec > prev and cap is not None and prev >= cap:
-        return _decision(
-            name,
-            inp,
-            now,
-            prev,
-            f"{why} wants {rec}, but capped at {cap} until pods can be scheduled",
-            driver=driver,
-            readings=readings,
-            limited_by="capacity",
-        ), state
-    return _decision(
-        name,
-        inp,
-        now,
+        return _capped(tick, driven, rec, cap)
+    limited = "stabilization" if rec != prev else None
+    return tick.decision(
         prev,
-        f"holding at {prev}: {why}" + (f" (recommends {rec}, not yet stable)" if limited else ""),
-        driver=driver,
-        readings=readings,
+        f"holding at {prev}: {driven.why}" + (f" (recommends {rec}, not yet stable)" if limited else ""),
+        driver=driven.driver,
+        readings=driven.readings,
         limited_by=limited,
-    ), state
+    )
+
+
+def _capped(tick: _Tick, driven: _Driven, wants: int, cap: int) -> PoolDecision:
+    return tick.decision(
+        tick.prev,
+        f"{driven.why} wants {wants}, but capped at {cap} until pods can be scheduled",
+        driver=driven.driver,
+        readings=driven.readings,
+        limited_by="capacity",
+    )
+
+
+def _scale_up(tick: _Tick, cap: int | None, driven: _Driven, up_to: int) -> PoolDecision:
+    """Up to the capacity cap, not while the last scale-up's replicas are still starting (until
+    they are stuck), by a bounded step."""
+    config, state, prev = tick.config, tick.state, tick.prev
+    target, limited = up_to, None
+    if cap is not None and target > cap:
+        target, limited = cap, "capacity"
+        if target <= prev:
+            return _capped(tick, driven, up_to, cap)
+    if state.scale_up_target is not None and state.last_scale_up_time is not None:
+        elapsed = tick.now - state.last_scale_up_time
+        if elapsed < tick.lead * config.stuck_startup_factor:
+            waiting = max(0, state.scale_up_target - tick.inp.replicas.ready)
+            return tick.decision(
+                prev,
+                f"{driven.why} wants {up_to}; waiting for {waiting} replica(s) still starting "
+                f"({elapsed:.0f}s of ~{tick.lead:.0f}s lead time)",
+                driver=driven.driver,
+                readings=driven.readings,
+                limited_by="starting",
+            )
+    step = max(config.scale_up_max_pods, math.ceil(prev * config.scale_up_max_percent / 100.0))
+    if target > prev + step:
+        target, limited = prev + step, "step"
+    return tick.decision(
+        target,
+        f"scale up {prev}->{target}: {driven.why}"
+        + (f" (wants {up_to}, step-limited)" if limited == "step" else ""),
+        driver=driven.driver,
+        readings=driven.readings,
+        limited_by=limited,
+    )
+
+
+def _scale_down(tick: _Tick, driven: _Driven, windows: _Windows, metrics: PoolMetrics) -> PoolDecision:
+    """Down once the down window is covered by history, never on partial data, one step at a time."""
+    config, prev, down_to, history = tick.config, tick.prev, windows.down_to, windows.history_s
+    if history + 1e-6 < config.scale_down_stabilization_s:
+        return tick.decision(
+            prev,
+            f"holding at {prev}: {driven.why} suggests {down_to}, but scale-down waits for "
+            f"{config.scale_down_stabilization_s:.0f}s of history ({history:.0f}s so far)",
+            driver=driven.driver,
+            readings=driven.readings,
+            limited_by="stabilization",
+        )
+    if metrics.pods_reporting < metrics.pods_expected:
+        return tick.decision(
+            prev,
+            f"holding at {prev}: only {metrics.pods_reporting}/{metrics.pods_expected} pods reported "
+            "metrics; not scaling down on partial data",
+            driver=driven.driver,
+            readings=driven.readings,
+            limited_by="partial-metrics",
+        )
+    target = max(down_to, prev - config.scale_down_max_pods)
+    return tick.decision(
+        target,
+        f"scale down {prev}->{target}: highest recommendation over "
+        f"{config.scale_down_stabilization_s:.0f}s is {down_to} ({driven.why})",
+        driver=driven.driver,
+        readings=driven.readings,
+        limited_by="step" if target != down_to else None,
+    )
 
 
 def _apply_ratio(
