@@ -106,20 +106,20 @@ def _schema_of(model: type) -> dict[str, Any]:
 
 
 def openapi_schema() -> dict[str, Any]:
-    spec = _schema_of(LLMDeploymentSpec)
-    status = _schema_of(LLMDeploymentStatus)
-    status.pop("description", None)
     return {
         "type": "object",
         "description": "LLMDeployment serves one LLM with prefill/decode pools behind a router.",
         "required": ["spec"],
         "x-kubernetes-validations": [rule.as_validation() for rule in NAME_RULES],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
+            "apiVersion": {"type": "string", "description": f"The API version, {API_VERSION}."},
+            "kind": {"type": "string", "description": f"The kind, {KIND}."},
+            "metadata": {
+                "type": "object",
+                "description": f"Standard object metadata; the name is at most {MAX_NAME_LENGTH} characters.",
+            },
+            "spec": _schema_of(LLMDeploymentSpec),
+            "status": _schema_of(LLMDeploymentStatus),
         },
     }
 

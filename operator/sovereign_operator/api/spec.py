@@ -35,26 +35,38 @@ Quantity = int | str
 class ResourceRequirements(ApiModel):
     """Container resources, as in a Pod: quantities by resource name."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description='Quantities the scheduler reserves, e.g. cpu: "4", memory: 64Gi.'
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Quantities the container may not exceed, by resource name."
+    )
 
 
 class Toleration(ApiModel):
     """A Pod toleration."""
 
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(None, description="The taint key tolerated; empty with Exists: every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        None, description="Equal (the default) matches value; Exists matches any value."
+    )
+    value: str | None = Field(None, description="The taint value tolerated (with Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint effect tolerated; empty: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        None, description="With NoExecute: how long the pod stays bound after the taint appears."
+    )
 
 
 class EnvVar(ApiModel):
     """A container environment variable; `valueFrom` takes any Kubernetes EnvVarSource."""
 
-    name: str = Field(min_length=1)
-    value: str | None = None
-    value_from: dict[str, Any] | None = None
+    name: str = Field(min_length=1, description="The variable's name.")
+    value: str | None = Field(None, description="The variable's value.")
+    value_from: dict[str, Any] | None = Field(
+        None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."
+    )
 
 
 # ---- model -------------------------------------------------------------------------------------
@@ -63,22 +75,28 @@ class EnvVar(ApiModel):
 class PVCSource(ApiModel):
     """Weights on a PersistentVolumeClaim, mounted read-only."""
 
-    claim_name: str = Field(min_length=1)
+    claim_name: str = Field(
+        min_length=1, description="The PersistentVolumeClaim in the deployment's namespace."
+    )
     path: str = Field("", description="Directory of the checkpoint inside the volume.")
 
 
 class HostPathSource(ApiModel):
     """Weights in a directory on the node."""
 
-    path: str = Field(min_length=1, pattern=r"^/")
+    path: str = Field(
+        min_length=1, pattern=r"^/", description="Absolute directory of the checkpoint on the node."
+    )
 
 
 class ImageSource(ApiModel):
     """Weights in an OCI image, mounted as a Kubernetes image volume (Kubernetes 1.31+)."""
 
-    reference: str = Field(min_length=1)
+    reference: str = Field(min_length=1, description="The OCI image holding the checkpoint.")
     path: str = Field("", description="Directory of the checkpoint inside the image.")
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the kubelet pulls the image volume."
+    )
 
 
 def _count_sources(source: ModelSource) -> int:
@@ -88,9 +106,11 @@ def _count_sources(source: ModelSource) -> int:
 class ModelSource(ApiModel):
     """Where the weights come from: exactly one of pvc, hostPath, image, builtin."""
 
-    pvc: PVCSource | None = None
-    host_path: HostPathSource | None = None
-    image: ImageSource | None = None
+    pvc: PVCSource | None = Field(None, description="Weights on a PersistentVolumeClaim, mounted read-only.")
+    host_path: HostPathSource | None = Field(None, description="Weights in a directory on the node.")
+    image: ImageSource | None = Field(
+        None, description="Weights in an OCI image, mounted as an image volume (Kubernetes 1.31+)."
+    )
     builtin: Literal["sovereign-tiny"] | None = Field(
         None, description="A model bundled with the runtime (demos and tests; runs on CPU)."
     )
@@ -109,7 +129,9 @@ class ModelSpec(ApiModel):
     """The model to serve."""
 
     name: str = Field(min_length=1, description="The model name clients send (served model name).")
-    source: ModelSource
+    source: ModelSource = Field(
+        description="Where the weights come from: exactly one of pvc, hostPath, image, builtin."
+    )
     precision: Precision = Field("bf16", description="Precision of the checkpoint's weights.")
     parameters_billions: float | None = Field(
         None, ge=0, description="Parameter count in billions; sizes memory and the startup budget."
@@ -144,13 +166,19 @@ class RuntimeSpec(ApiModel):
         description="Default: the operator's SOVEREIGN_RUNTIME_IMAGE (the Helm chart sets it).",
         json_schema_extra=_operator_default,
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="When the kubelet pulls the runtime image."
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs per worker pod; the model is sharded over them (1 for builtin)."
+    )
     device: Literal["gpu", "cpu"] | None = Field(
         None, description="gpu requests nvidia.com/gpu = tensorParallelSize; default gpu, cpu for builtin."
     )
     args: list[str] = Field(default_factory=list, max_length=128, description="Extra `serve` arguments.")
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Extra environment variables of every worker pod."
+    )
     resources: ResourceRequirements | None = Field(None, description="Defaults for every worker pod.")
     drain_timeout_seconds: int = Field(
         120, ge=0, le=3600, description="How long a stopping pod waits for in-flight requests."
@@ -160,11 +188,17 @@ class RuntimeSpec(ApiModel):
 class PoolAutoscaling(ApiModel):
     """Bounds and targets for the pool's autoscaler; it decides replicas and records them in status."""
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(ge=1)
+    min_replicas: int = Field(1, ge=0, description="The fewest replicas; the pool starts here.")
+    max_replicas: int = Field(ge=1, description="The most replicas the autoscaler may ask for.")
     ttft_target_ms: int | None = Field(None, ge=1, description="Time-to-first-token target (p90).")
     itl_target_ms: int | None = Field(None, ge=1, description="Inter-token-latency target (p90).")
-    kv_cache_usage_target: float | None = Field(None, ge=0.05, le=1)
+    kv_cache_usage_target: float | None = Field(
+        None,
+        ge=0.05,
+        le=1,
+        description="Mean KV-cache usage per replica (0.05-1); decode and unified pools with neither"
+        " this nor itlTargetMs get 0.75.",
+    )
     waiting_requests_target: int | None = Field(None, ge=1, description="Queued requests per replica.")
 
     RULES = (
@@ -180,10 +214,18 @@ class PoolSpec(ApiModel):
     """A pool of runtime workers: either fixed `replicas` or `autoscaling` bounds, not both."""
 
     replicas: int | None = Field(None, ge=0, le=1024, description="Fixed size; 1 when neither is set.")
-    autoscaling: PoolAutoscaling | None = None
+    autoscaling: PoolAutoscaling | None = Field(
+        None, description="Bounds and targets; the autoscaler decides replicas and records them in status."
+    )
     resources: ResourceRequirements | None = Field(None, description="Merged over runtime.resources.")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pool's pods must match."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Taints the pool's pods tolerate (GPU nodes often have some).",
+    )
     affinity: dict[str, Any] | None = Field(None, description="A Kubernetes Affinity.")
 
     RULES = (
@@ -198,8 +240,12 @@ class PoolSpec(ApiModel):
 class RouterSpec(ApiModel):
     """The PD-aware router: the OpenAI endpoint of the deployment."""
 
-    replicas: int = Field(1, ge=1, le=64)
-    policy: Literal["cache-aware", "least-load", "round-robin"] = "cache-aware"
+    replicas: int = Field(1, ge=1, le=64, description="Router pods.")
+    policy: Literal["cache-aware", "least-load", "round-robin"] = Field(
+        "cache-aware",
+        description="How the router picks a worker: cache-aware (the worker likely to hold the prompt's"
+        " prefix unless loads are unbalanced), least-load (fewest requests in flight), round-robin.",
+    )
     # The router measures uncached prompt characters (it does not tokenize); the name says so.
     disaggregation_threshold_chars: int | None = Field(
         None,
@@ -207,7 +253,9 @@ class RouterSpec(ApiModel):
         description="Prompts with fewer uncached characters are prefilled on the decode pool"
         " (disaggregated mode; router default 512).",
     )
-    resources: ResourceRequirements | None = None
+    resources: ResourceRequirements | None = Field(
+        None, description="Router pod resources; default requests cpu 250m, memory 256Mi."
+    )
 
 
 # ---- networking, startup, autoscaling ----------------------------------------------------------
@@ -225,7 +273,12 @@ class RDMASpec(ApiModel):
         description="Default: the operator's SOVEREIGN_RDMA_RESOURCE, else rdma/rdma_shared_device_a.",
         json_schema_extra=_operator_default,
     )
-    count: int = Field(1, ge=0, le=64)
+    count: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="RDMA devices per prefill/decode pod (at least 1 unless enabled is false).",
+    )
     networks: list[str] = Field(
         default_factory=list, max_length=16, description="Multus NetworkAttachmentDefinition names."
     )
@@ -240,22 +293,30 @@ class RDMASpec(ApiModel):
 
 
 class NetworkingSpec(ApiModel):
-    rdma: RDMASpec = Field(default_factory=RDMASpec)
+    """How prefill and decode pods reach each other."""
+
+    rdma: RDMASpec = Field(default_factory=RDMASpec, description="RDMA for the KV-cache transfer.")
 
 
 class PVCRef(ApiModel):
-    claim_name: str = Field(min_length=1)
+    """A PersistentVolumeClaim in the deployment's namespace."""
+
+    claim_name: str = Field(min_length=1, description="The PersistentVolumeClaim's name.")
 
 
 class EmptyDirCache(ApiModel):
-    size_limit: Quantity = "20Gi"
+    """A per-pod emptyDir: compiled kernels last as long as the pod."""
+
+    size_limit: Quantity = Field("20Gi", description="The emptyDir's size limit.")
 
 
 class JitCacheSpec(ApiModel):
     """Where compiled kernels live. A PVC (ReadWriteMany) persists them across restarts."""
 
-    pvc: PVCRef | None = None
-    empty_dir: EmptyDirCache | None = None
+    pvc: PVCRef | None = Field(
+        None, description="A ReadWriteMany claim shared by the pods: kernels compile once (warm budget)."
+    )
+    empty_dir: EmptyDirCache | None = Field(None, description="A per-pod emptyDir (the default, 20Gi).")
 
     RULES = (
         CrossFieldRule(
@@ -273,12 +334,20 @@ class StartupSpec(ApiModel):
     read_bandwidth_mibps: int = Field(
         1000, ge=1, alias="readBandwidthMiBps", description="Weight read bandwidth per pod."
     )
-    jit_cache: JitCacheSpec | None = None
+    jit_cache: JitCacheSpec | None = Field(
+        None, description="Where compiled kernels live; default an emptyDir of 20Gi."
+    )
 
 
 class MetricsSource(ApiModel):
-    source: Literal["pods", "prometheus"] = "pods"
-    prometheus_url: str | None = None
+    """Where the autoscaler reads the runtime's metrics."""
+
+    source: Literal["pods", "prometheus"] = Field(
+        "pods", description="pods: scrape each ready pod's /metrics; prometheus: query prometheusUrl."
+    )
+    prometheus_url: str | None = Field(
+        None, description="Base URL of a Prometheus API (required when source is prometheus)."
+    )
 
     RULES = (
         CrossFieldRule(
@@ -290,8 +359,10 @@ class MetricsSource(ApiModel):
 
 
 class RatioBounds(ApiModel):
-    min: float = Field(ge=0)
-    max: float = Field(ge=0)
+    """Bounds on the prefill:decode replica ratio."""
+
+    min: float = Field(ge=0, description="The smallest prefill/decode replica ratio.")
+    max: float = Field(ge=0, description="The largest prefill/decode replica ratio.")
 
     RULES = (
         CrossFieldRule(
@@ -305,11 +376,17 @@ class RatioBounds(ApiModel):
 class AutoscalingSpec(ApiModel):
     """Deployment-wide autoscaler settings; per-pool bounds live in prefill/decode.autoscaling."""
 
-    metrics: MetricsSource = Field(default_factory=MetricsSource)
+    metrics: MetricsSource = Field(
+        default_factory=MetricsSource, description="Where the runtime's metrics are read (default: the pods)."
+    )
     prefill_decode_ratio: RatioBounds | None = Field(None, description="Bounds on prefill/decode replicas.")
-    scale_up_stabilization_seconds: int = Field(180, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
-    interval_seconds: int = Field(30, ge=5, le=3600)
+    scale_up_stabilization_seconds: int = Field(
+        180, ge=0, le=3600, description="Scale up only to the smallest recommendation over this window."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, le=3600, description="Scale down only to the largest recommendation over this window."
+    )
+    interval_seconds: int = Field(30, ge=5, le=3600, description="Seconds between two autoscaling decisions.")
 
 
 # ---- the whole spec ----------------------------------------------------------------------------
@@ -321,17 +398,31 @@ class LLMDeploymentSpec(ApiModel):
     In unified mode (set, or resolved from auto) the single pool is configured by `decode`.
     """
 
-    model: ModelSpec
-    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    model: ModelSpec = Field(description="The model to serve and where its weights live.")
+    runtime: RuntimeSpec = Field(
+        default_factory=RuntimeSpec, description="The inference runtime every worker pod runs."
+    )
     mode: Mode = Field(
         "auto", description="auto: disaggregated when nodes advertise the RDMA resource, else unified."
     )
-    prefill: PoolSpec | None = None
-    decode: PoolSpec | None = None
-    router: RouterSpec = Field(default_factory=RouterSpec)
-    networking: NetworkingSpec = Field(default_factory=NetworkingSpec)
-    startup: StartupSpec = Field(default_factory=StartupSpec)
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    prefill: PoolSpec | None = Field(
+        None, description="The prefill pool (disaggregated mode); default replicas 1. Rejected by unified."
+    )
+    decode: PoolSpec | None = Field(
+        None, description="The decode pool; in unified mode the one pool. Default replicas 1."
+    )
+    router: RouterSpec = Field(
+        default_factory=RouterSpec, description="The OpenAI endpoint in front of the pools."
+    )
+    networking: NetworkingSpec = Field(
+        default_factory=NetworkingSpec, description="How prefill and decode pods reach each other."
+    )
+    startup: StartupSpec = Field(
+        default_factory=StartupSpec, description="Startup probe budget and the compiled-kernel cache."
+    )
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, description="Deployment-wide autoscaler settings."
+    )
 
     RULES = (
         CrossFieldRule(

@@ -16,68 +16,103 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 
 
 class Condition(ApiModel):
-    type: str = Field(min_length=1)
-    status: ConditionStatus
-    reason: str = Field(min_length=1)
-    message: str = ""
+    """One aspect of the deployment's state, as Kubernetes conditions go."""
+
+    type: str = Field(
+        min_length=1,
+        description="Ready, Progressing, Degraded (the operator), MetricsAvailable (the autoscaler),"
+        " KVTransferHealthy (the KV-health monitor).",
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(min_length=1, description="Why, in one CamelCase word.")
+    message: str = Field("", description="Why, for a person: what is wrong and what to do.")
     last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
-    observed_generation: int | None = None
+    observed_generation: int | None = Field(None, description="The spec generation this condition is about.")
 
 
 class ScalingEvent(ApiModel):
-    time: str
-    from_: int = Field(alias="from")
-    to: int
-    signal: str
-    value: float | None = None
+    """One replica change the autoscaler made."""
+
+    time: str = Field(description="RFC 3339 time of the change.")
+    from_: int = Field(alias="from", description="Replicas before.")
+    to: int = Field(description="Replicas after.")
+    signal: str = Field(description="The signal that drove the change.")
+    value: float | None = Field(None, description="The signal's value at the change.")
 
 
 class AutoscalerStatus(ApiModel):
     """The autoscaler's latest decision for one pool (written by the autoscaler)."""
 
-    desired_replicas: int | None = Field(None, ge=0)
-    signal: str | None = None
-    value: float | None = None
-    target: float | None = None
-    reason: str | None = None
-    last_decision_time: str | None = None
-    history: list[ScalingEvent] = Field(default_factory=list, max_length=10)
+    desired_replicas: int | None = Field(
+        None, ge=0, description="The replicas decided; rendering applies them within the pool's bounds."
+    )
+    signal: str | None = Field(
+        None,
+        description="The driving signal (kv_cache_usage, ttft, itl, ...), none when holding without one.",
+    )
+    value: float | None = Field(None, description="The driving signal's value.")
+    target: float | None = Field(None, description="The driving signal's target.")
+    reason: str | None = Field(None, description="The decision in one line: what, why, what limited it.")
+    last_decision_time: str | None = Field(
+        None, description="RFC 3339 time of the decision (rewritten on change and at least every 5 minutes)."
+    )
+    history: list[ScalingEvent] = Field(
+        default_factory=list, max_length=10, description="The last ten replica changes, newest last."
+    )
 
 
 class PoolStatus(ApiModel):
-    desired_replicas: int = 0
-    replicas: int = 0
-    ready_replicas: int = 0
-    updated_replicas: int = 0
-    autoscaler: AutoscalerStatus | None = None
+    """One pool's StatefulSet as observed."""
+
+    desired_replicas: int = Field(0, description="The replicas the pool should have (spec or autoscaler).")
+    replicas: int = Field(0, description="Pods the StatefulSet has.")
+    ready_replicas: int = Field(0, description="Pods that are Ready.")
+    updated_replicas: int = Field(0, description="Pods at the StatefulSet's current revision.")
+    autoscaler: AutoscalerStatus | None = Field(
+        None, description="The autoscaler's latest decision, when the pool is autoscaled."
+    )
 
 
 class PoolsStatus(ApiModel):
-    prefill: PoolStatus | None = None
-    decode: PoolStatus | None = None
-    unified: PoolStatus | None = None
+    """The pools of the resolved mode."""
+
+    prefill: PoolStatus | None = Field(None, description="The prefill pool (disaggregated mode).")
+    decode: PoolStatus | None = Field(None, description="The decode pool (disaggregated mode).")
+    unified: PoolStatus | None = Field(
+        None, description="The one pool of unified mode (configured by decode)."
+    )
 
 
 class StartupBudget(ApiModel):
     """How the startup probe's budget was computed (see docs/startup.md)."""
 
-    seconds: int
-    base_seconds: int
-    weight_load_seconds: int
-    jit_seconds: int
-    overridden: bool = False
+    seconds: int = Field(description="The budget: the startup probe fails a pod after this long.")
+    base_seconds: int = Field(description="Fixed part: process start, CUDA/NCCL initialisation.")
+    weight_load_seconds: int = Field(description="Weight bytes over startup.readBandwidthMiBps.")
+    jit_seconds: int = Field(description="Kernel compilation allowance (cold, or warm with a jitCache pvc).")
+    overridden: bool = Field(False, description="True when startup.budgetSeconds set the budget.")
 
 
 class LLMDeploymentStatus(ApiModel):
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    """What the operator and the autoscaler observe and decide; never written by users."""
+
+    observed_generation: int | None = Field(None, description="The spec generation last reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Ready, Progressing, Degraded and the monitors' conditions.",
+    )
     mode: Literal["unified", "disaggregated"] | None = Field(None, description="The resolved mode.")
-    mode_reason: str | None = None
-    kv_transport: Literal["rdma", "tcp"] | None = None
+    mode_reason: str | None = Field(None, description="Why this mode (and KV transport) was chosen.")
+    kv_transport: Literal["rdma", "tcp"] | None = Field(
+        None, description="How prefill hands the KV cache to decode (disaggregated mode)."
+    )
     endpoint: str | None = Field(None, description="The OpenAI base URL of the router Service.")
-    startup_budget_seconds: int | None = None
-    startup_budget: StartupBudget | None = None
-    pools: PoolsStatus | None = None
+    startup_budget_seconds: int | None = Field(None, description="The startup probe's budget in seconds.")
+    startup_budget: StartupBudget | None = Field(None, description="How the startup budget was computed.")
+    pools: PoolsStatus | None = Field(None, description="Each pool's replicas and autoscaler decision.")
     # "ready/desired" summaries for the printer columns; in unified mode decode shows the pool.
-    prefill_replicas: str | None = None
-    decode_replicas: str | None = None
+    prefill_replicas: str | None = Field(None, description="Prefill pods ready/desired (printer column).")
+    decode_replicas: str | None = Field(
+        None, description="Decode pods ready/desired, the unified pool in unified mode (printer column)."
+    )
