@@ -20,13 +20,13 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sovereign_operator.api.spec import AutoscalingSpec
+from sovereign_operator.autoscale import AutoscalerConfig
 from sovereign_operator.autoscale.controller import AutoscaleController
 from sovereign_operator.kvmonitor import KVHealthMonitor
 
 TICK_SECONDS = 5.0
-# What a spec without `autoscaling.intervalSeconds` gets (the CRD's default, from the model).
-DEFAULT_INTERVAL_S = float(AutoscalingSpec.model_fields["interval_seconds"].default)
+# What a spec without `autoscaling.intervalSeconds` gets: the CRD's default, as the policy's.
+DEFAULT_INTERVAL_S = AutoscalerConfig().interval_s
 
 Key = tuple[str, str]
 

@@ -20,6 +20,8 @@ from sovereign_operator.autoscale import (
 from sovereign_operator.autoscale.policy import forecast_total
 
 INTERVAL = 15.0
+# The replays below are written for a short up window (the spec's default is 180 s).
+UP_WINDOW = 30.0
 DECODE = PoolConfig(
     min_replicas=1,
     max_replicas=10,
@@ -60,7 +62,7 @@ def run(
     role: str = "decode",
 ) -> list[PoolDecision]:
     """Replay a series; pods become ready `startup_ticks` ticks after they are asked for."""
-    config = config or AutoscalerConfig(interval_s=INTERVAL)
+    config = config or AutoscalerConfig(interval_s=INTERVAL, scale_up_stabilization_s=UP_WINDOW)
     state: dict[str, PoolState] = {}
     desired = start
     ready_at: list[float] = [0.0] * start

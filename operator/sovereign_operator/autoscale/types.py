@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from sovereign_operator.api.spec import AutoscalingSpec, PoolAutoscaling
+
 Role = Literal["prefill", "decode", "unified"]
 Direction = Literal["up", "down", "hold"]
 
@@ -72,15 +74,23 @@ class PoolInput:
     startup_seconds: float | None = None
 
 
-@dataclass(frozen=True)
-class PoolConfig:
-    """Per-pool targets and bounds (mapped from the LLMDeployment's per-pool ``autoscaling``)."""
+def _spec_default(model: type[AutoscalingSpec | PoolAutoscaling], name: str) -> Any:
+    """The CRD's default of a field the spec owns: the policy's defaults are the spec's, one source."""
+    return model.model_fields[name].default
 
-    min_replicas: int = 1
-    max_replicas: int = 4
-    ttft_target_s: float | None = 2.0
-    itl_target_s: float | None = 0.1
-    kv_cache_usage_target: float | None = 0.75
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """Per-pool targets and bounds (mapped from the LLMDeployment's per-pool ``autoscaling``).
+
+    Unset targets are off, as in the spec; the controller gives a decode or unified pool without
+    one its KV-cache default (controller.DEFAULT_KV_TARGET)."""
+
+    min_replicas: int = _spec_default(PoolAutoscaling, "min_replicas")
+    max_replicas: int  # required, as in the spec
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
+    kv_cache_usage_target: float | None = None
     # Per-replica targets for the queue-like signals; None disables that signal. The prompt backlog
     # target, when None, is derived from the TTFT target and the measured prefill rate (tokens a
     # replica clears within the TTFT target), falling back to prompt_tokens_waiting_default.
@@ -92,11 +102,15 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class AutoscalerConfig:
-    """Deployment-wide behaviour. Defaults follow what peers found safe: quick up, slow down."""
+    """Deployment-wide behaviour. Defaults follow what peers found safe: quick up, slow down. The
+    first three are spec fields (`spec.autoscaling`) and default as the CRD does; the rest are the
+    policy's own (no spec field yet)."""
 
-    scale_up_stabilization_s: float = 30.0
-    scale_down_stabilization_s: float = 300.0
-    interval_s: float = 15.0
+    scale_up_stabilization_s: float = float(_spec_default(AutoscalingSpec, "scale_up_stabilization_seconds"))
+    scale_down_stabilization_s: float = float(
+        _spec_default(AutoscalingSpec, "scale_down_stabilization_seconds")
+    )
+    interval_s: float = float(_spec_default(AutoscalingSpec, "interval_seconds"))
     # Ratio signals inside ±tolerance of their target recommend no change (HPA's 10 %).
     tolerance: float = 0.1
     # Latency below this fraction of its target counts as "room to shrink".
