@@ -231,12 +231,11 @@ class _Tick:
         desired: int,
         reason: str,
         *,
-        driver: SignalReading | None = None,
-        readings: list[SignalReading] | None = None,
+        driven: _Driven | None = None,
         metrics_available: bool = True,
         limited_by: str | None = None,
     ) -> PoolDecision:
-        prev = self.prev
+        prev, driver = self.prev, driven.driver if driven else None
         direction: Direction = "up" if desired > prev else "down" if desired < prev else "hold"
         return PoolDecision(
             pool=self.name,
@@ -253,7 +252,7 @@ class _Tick:
             reason=reason,
             metrics_available=metrics_available,
             limited_by=limited_by,
-            readings=tuple(readings or ()),
+            readings=tuple(driven.readings) if driven else (),
         )
 
     def metrics_usable(self) -> bool:
@@ -443,8 +442,7 @@ def _guarded(
     return tick.decision(
         prev,
         f"holding at {prev}: {driven.why}" + (f" (recommends {rec}, not yet stable)" if limited else ""),
-        driver=driven.driver,
-        readings=driven.readings,
+        driven=driven,
         limited_by=limited,
     )
 
@@ -453,8 +451,7 @@ def _capped(tick: _Tick, driven: _Driven, wants: int, cap: int) -> PoolDecision:
     return tick.decision(
         tick.prev,
         f"{driven.why} wants {wants}, but capped at {cap} until pods can be scheduled",
-        driver=driven.driver,
-        readings=driven.readings,
+        driven=driven,
         limited_by="capacity",
     )
 
@@ -476,8 +473,7 @@ def _scale_up(tick: _Tick, cap: int | None, driven: _Driven, up_to: int) -> Pool
                 prev,
                 f"{driven.why} wants {up_to}; waiting for {waiting} replica(s) still starting "
                 f"({elapsed:.0f}s of ~{tick.lead:.0f}s lead time)",
-                driver=driven.driver,
-                readings=driven.readings,
+                driven=driven,
                 limited_by="starting",
             )
     step = max(config.scale_up_max_pods, math.ceil(prev * config.scale_up_max_percent / 100.0))
@@ -487,8 +483,7 @@ def _scale_up(tick: _Tick, cap: int | None, driven: _Driven, up_to: int) -> Pool
         target,
         f"scale up {prev}->{target}: {driven.why}"
         + (f" (wants {up_to}, step-limited)" if limited == "step" else ""),
-        driver=driven.driver,
-        readings=driven.readings,
+        driven=driven,
         limited_by=limited,
     )
 
@@ -501,8 +496,7 @@ def _scale_down(tick: _Tick, driven: _Driven, windows: _Windows, metrics: PoolMe
             prev,
             f"holding at {prev}: {driven.why} suggests {down_to}, but scale-down waits for "
             f"{config.scale_down_stabilization_s:.0f}s of history ({history:.0f}s so far)",
-            driver=driven.driver,
-            readings=driven.readings,
+            driven=driven,
             limited_by="stabilization",
         )
     if metrics.pods_reporting < metrics.pods_expected:
@@ -510,8 +504,7 @@ def _scale_down(tick: _Tick, driven: _Driven, windows: _Windows, metrics: PoolMe
             prev,
             f"holding at {prev}: only {metrics.pods_reporting}/{metrics.pods_expected} pods reported "
             "metrics; not scaling down on partial data",
-            driver=driven.driver,
-            readings=driven.readings,
+            driven=driven,
             limited_by="partial-metrics",
         )
     target = max(down_to, prev - config.scale_down_max_pods)
@@ -519,8 +512,7 @@ def _scale_down(tick: _Tick, driven: _Driven, windows: _Windows, metrics: PoolMe
         target,
         f"scale down {prev}->{target}: highest recommendation over "
         f"{config.scale_down_stabilization_s:.0f}s is {down_to} ({driven.why})",
-        driver=driven.driver,
-        readings=driven.readings,
+        driven=driven,
         limited_by="step" if target != down_to else None,
     )
 
