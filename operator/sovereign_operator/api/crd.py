@@ -14,6 +14,7 @@ from typing import Any
 from sovereign_operator.api.rules import CrossFieldRule
 from sovereign_operator.api.spec import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus
+from sovereign_operator.vocabulary import READY
 
 GROUP = "sovereign.ai"
 VERSION = "v1alpha1"
@@ -138,7 +139,7 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.decodeReplicas",
         "description": "ready/desired",
     },
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Ready", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{READY}")].status'},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

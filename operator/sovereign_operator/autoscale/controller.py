@@ -23,6 +23,7 @@ from sovereign_operator.api.spec import LLMDeploymentSpec, PoolAutoscaling
 from sovereign_operator.render.plan import components_for
 from sovereign_operator.vocabulary import (
     METRICS_AVAILABLE,
+    READY,
     find_condition,
     parse_rfc3339,
     pod_component,
@@ -97,7 +98,7 @@ def measured_startup_seconds(pods: list[dict[str, Any]]) -> float | None:
     """Median time from creation to Ready over the pool's ready pods (the scale-up lead time)."""
     durations = []
     for p in pods:
-        cond = pod_condition(p, "Ready")
+        cond = pod_condition(p, READY)
         created = parse_rfc3339(p["metadata"].get("creationTimestamp"))
         became = (
             parse_rfc3339(cond.get("lastTransitionTime")) if cond and cond.get("status") == "True" else None
