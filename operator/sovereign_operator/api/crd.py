@@ -115,10 +115,8 @@ def openapi_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": f"The API version, {API_VERSION}."},
             "kind": {"type": "string", "description": f"The kind, {KIND}."},
-            "metadata": {
-                "type": "object",
-                "description": f"Standard object metadata; the name is at most {MAX_NAME_LENGTH} characters.",
-            },
+            # The apiserver allows nothing here but the type; `kubectl explain` describes ObjectMeta.
+            "metadata": {"type": "object"},
             "spec": _schema_of(LLMDeploymentSpec),
             "status": _schema_of(LLMDeploymentStatus),
         },
