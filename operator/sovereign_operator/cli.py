@@ -12,7 +12,8 @@ import yaml
 from sovereign_operator import yamlio
 from sovereign_operator.api import custom_resource_definition
 from sovereign_operator.api.document import InvalidDeployment, parse_document
-from sovereign_operator.main import run_operator
+from sovereign_operator.leadership import LeaseTiming
+from sovereign_operator.main import LeaderElection, run_operator
 from sovereign_operator.render import ClusterFacts, DeploymentRef, OperatorDefaults, render
 
 # Offline rendering has no real owner; apply with `--uid` set to the object's metadata.uid.
@@ -63,7 +64,32 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    return run_operator(namespaces=args.namespace, health_port=args.health_port, verbose=args.verbose)
+    election = None
+    if args.leader_elect:
+        namespace = args.leader_election_namespace or os.environ.get("SOVEREIGN_OPERATOR_NAMESPACE")
+        if not namespace:
+            print(
+                "error: --leader-elect needs --leader-election-namespace (or SOVEREIGN_OPERATOR_NAMESPACE): "
+                "the namespace of the Lease",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            timing = LeaseTiming(
+                lease_duration=args.leader_election_lease_duration,
+                renew_deadline=args.leader_election_renew_deadline,
+                retry_period=args.leader_election_retry_period,
+            )
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        election = LeaderElection(namespace=namespace, name=args.leader_election_id, timing=timing)
+    return run_operator(
+        namespaces=args.namespace,
+        health_port=args.health_port,
+        verbose=args.verbose,
+        leader_election=election,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +121,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--health-port", type=int, default=8080, help="port of /metrics and /healthz (0: off)")
     run.add_argument("--verbose", action="store_true", help="debug logging")
+    defaults = LeaseTiming()
+    run.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="act only while holding a coordination.k8s.io Lease; other replicas wait (HA)",
+    )
+    run.add_argument(
+        "--leader-election-namespace", help="namespace of the Lease (default: $SOVEREIGN_OPERATOR_NAMESPACE)"
+    )
+    run.add_argument("--leader-election-id", default="sovereign-operator", help="name of the Lease")
+    run.add_argument(
+        "--leader-election-lease-duration",
+        type=float,
+        default=defaults.lease_duration,
+        metavar="S",
+        help="a standby takes over a holder that has not renewed for this long",
+    )
+    run.add_argument(
+        "--leader-election-renew-deadline",
+        type=float,
+        default=defaults.renew_deadline,
+        metavar="S",
+        help="the holder stops writing and exits when it could not renew for this long",
+    )
+    run.add_argument(
+        "--leader-election-retry-period",
+        type=float,
+        default=defaults.retry_period,
+        metavar="S",
+        help="time between renewals and between a standby's attempts",
+    )
     run.set_defaults(func=_cmd_run)
     return parser
 

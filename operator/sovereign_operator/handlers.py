@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,8 @@ AUTOSCALER_METRICS = AutoscalerMetrics(metrics.REGISTRY)
 class OperatorState:
     health_host: str = "0.0.0.0"
     health_port: int = 8080
+    # Raises when this replica may not write (set by main.py under leader election).
+    write_fence: Callable[[], None] | None = None
     kube: Kube | None = None
     reconciler: Reconciler | None = None
     events: EventPoster | None = None
@@ -118,7 +120,9 @@ async def configure(
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
     events, loop = assemble(
-        Kube.from_environment(), llmdeployments, OperatorDefaults.from_environment(os.environ)
+        Kube.from_environment(STATE.write_fence),
+        llmdeployments,
+        OperatorDefaults.from_environment(os.environ),
     )
     events.start()
     loop.start()

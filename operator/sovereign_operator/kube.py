@@ -6,6 +6,7 @@ Every write is a server-side apply under one field manager with force, or a merg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightkube import ApiError, AsyncClient, codecs
@@ -31,18 +32,21 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 
 
 class Kube:
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, write_fence: Callable[[], None] | None = None) -> None:
         self.client = client
+        # Called before every write; raises when this process may not write (leadership.py).
+        self._write_fence = write_fence or (lambda: None)
 
     @classmethod
-    def from_environment(cls) -> Kube:
+    def from_environment(cls, write_fence: Callable[[], None] | None = None) -> Kube:
         # In-cluster service account, else KUBECONFIG / ~/.kube/config.
-        return cls(AsyncClient(field_manager=FIELD_MANAGER))
+        return cls(AsyncClient(field_manager=FIELD_MANAGER), write_fence)
 
     async def close(self) -> None:
         await self.client.close()
 
     async def apply(self, child: dict[str, Any]) -> None:
+        self._write_fence()
         await self.client.apply(codecs.from_dict(child), field_manager=FIELD_MANAGER, force=True)
 
     async def prune(
@@ -56,6 +60,7 @@ class Kube:
                 owners = [ref.uid for ref in (meta.ownerReferences or []) if ref.controller]
                 if (kind.__name__, meta.name) in keep or owner_uid not in owners:
                     continue
+                self._write_fence()
                 await self.client.delete(kind, meta.name, namespace=namespace)
                 deleted.append(f"{kind.__name__}/{meta.name}")
         return deleted
@@ -78,6 +83,7 @@ class Kube:
 
     async def create_event(self, event: dict[str, Any]) -> None:
         """Create a core/v1 Event (see events.py for why the operator posts its own)."""
+        self._write_fence()
         await self.client.create(codecs.from_dict(event))
 
     async def observe(self, namespace: str, instance: str) -> Observed:
@@ -100,6 +106,7 @@ class Kube:
         body: dict[str, Any] = {"status": patch}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
+        self._write_fence()
         await self.client.patch(
             LLMDeploymentResource.Status,
             name,

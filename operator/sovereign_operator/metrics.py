@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 REGISTRY = CollectorRegistry()
 RECONCILES = Counter(
@@ -35,6 +42,13 @@ STATUS_WRITES = Counter(
     "Status patches written (zero in steady state).",
     registry=REGISTRY,
 )
+
+LEADER = Gauge(
+    "sovereign_operator_leader",
+    "1 while this replica holds the leader-election Lease (or runs without leader election), else 0.",
+    registry=REGISTRY,
+)
+LEADER.set(1)
 
 
 async def _metrics(_: web.Request) -> web.Response:

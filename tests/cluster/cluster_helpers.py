@@ -106,6 +106,7 @@ class OperatorProcess:
     extra_env: dict[str, str] = field(default_factory=dict)
     # Namespace patterns to watch (kopf globs); empty watches the whole cluster.
     namespaces: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
@@ -123,6 +124,7 @@ class OperatorProcess:
                 "--health-port",
                 "0",
                 *(f"--namespace={ns}" for ns in self.namespaces),
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -348,8 +350,9 @@ def _epoch(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else 0.0
 
 
-def make_operator_kubeconfig(kube: Kubectl, directory: Path) -> Path:
-    """A kubeconfig for the operator's ServiceAccount, bound to exactly the chart's RBAC rules."""
+def make_operator_kubeconfig(kube: Kubectl, directory: Path, service_account: str = OPERATOR_SA) -> Path:
+    """A kubeconfig for an operator ServiceAccount, bound to exactly the chart's RBAC rules (a
+    second account gives a second replica an identity of its own in the audit log)."""
     rules = yaml.safe_load(RBAC_RULES.read_text())
     rules = rules["rules"] if isinstance(rules, dict) else rules
     manifests: list[dict[str, Any]] = [
@@ -357,7 +360,7 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path) -> Path:
         {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
-            "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE},
+            "metadata": {"name": service_account, "namespace": OPERATOR_NAMESPACE},
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -368,18 +371,20 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path) -> Path:
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",
-            "metadata": {"name": OPERATOR_ROLE},
+            "metadata": {"name": OPERATOR_ROLE if service_account == OPERATOR_SA else service_account},
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
                 "kind": "ClusterRole",
                 "name": OPERATOR_ROLE,
             },
-            "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}],
+            "subjects": [
+                {"kind": "ServiceAccount", "name": service_account, "namespace": OPERATOR_NAMESPACE}
+            ],
         },
     ]
     kube.apply({"apiVersion": "v1", "kind": "List", "items": manifests})
     token = kube.run(
-        "create", "token", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "--duration=24h"
+        "create", "token", service_account, "-n", OPERATOR_NAMESPACE, "--duration=24h"
     ).stdout.strip()
 
     raw = json.loads(kube.run("config", "view", "--raw", "--minify", "-o", "json").stdout)
@@ -391,11 +396,11 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path) -> Path:
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "local", "cluster": cluster}],
-        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": OPERATOR_SA}}],
+        "users": [{"name": service_account, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": service_account}}],
         "current-context": "operator",
     }
-    path = directory / "operator-kubeconfig"
+    path = directory / f"{service_account}-kubeconfig"
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path

@@ -78,7 +78,8 @@ def test_values_yaml_satisfies_its_schema():
 @pytest.mark.parametrize(
     "path,bad",
     [
-        (("replicaCount",), 2),
+        (("replicaCount",), 9),
+        (("leaderElection", "leaseDurationSeconds"), 0),
         (("image", "pullPolicy"), "Sometimes"),
         (("health", "port"), 70000),
         (("metrics", "serviceMonitor", "interval"), "soon"),
@@ -265,9 +266,9 @@ def test_kubeconform_catches_a_broken_manifest(kubeconform: str, swagger: dict, 
 
 
 def test_helm_rejects_a_bad_value(helm: str):
-    proc = render(helm, "replicaCount=3", check=False)
+    proc = render(helm, "replicaCount=3", "leaderElection.enabled=false", check=False)
     assert proc.returncode != 0
-    assert "replicaCount" in proc.stderr
+    assert "replicaCount > 1 needs leaderElection.enabled" in proc.stderr
     proc = render(helm, "rdma.sharedDevicePlugin.enabled=true", "rdma.resourceName=nodomain", check=False)
     assert proc.returncode != 0
     assert "resourceName" in proc.stderr
@@ -275,7 +276,15 @@ def test_helm_rejects_a_bad_value(helm: str):
 
 def test_optional_components_are_off_by_default(default_docs: list[dict]):
     kinds = sorted(d["kind"] for d in default_docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+    ]
 
 
 def test_operator_deployment_is_locked_down(default_docs: list[dict]):
@@ -299,7 +308,32 @@ def test_operator_deployment_is_locked_down(default_docs: list[dict]):
     for probe, path in (("livenessProbe", "livenessPath"), ("readinessProbe", "readinessPath")):
         assert container[probe]["httpGet"] == {"path": values()["health"][path], "port": "http-metrics"}
     assert pod["serviceAccountName"] == one(default_docs, "ServiceAccount")["metadata"]["name"]
+    # Two replicas on the leader-election Lease: a rolling update never has two acting at once.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "--leader-elect" in container["args"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["SOVEREIGN_OPERATOR_NAMESPACE"] == "metadata.namespace"
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_leader_election_role_grants_only_the_lease_in_the_release_namespace(default_docs: list[dict]):
+    role = one(default_docs, "Role", "-leader-election")
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+    binding = one(default_docs, "RoleBinding", "-leader-election")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+
+
+def test_a_single_operator_without_leader_election_keeps_recreate(helm: str):
+    docs = render(helm, "replicaCount=1", "leaderElection.enabled=false")
+    deployment = one(docs, "Deployment")
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert "--leader-elect" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not by_kind(docs, "Role")
 
 
 def test_operator_args_parse_with_the_operator_cli(helm: str):
