@@ -77,6 +77,7 @@ class Partition:
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)  # watches stay idle for minutes
             with self.lock:
                 self.conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
@@ -132,6 +133,19 @@ def lease(kube: Kubectl, ns: str) -> dict[str, Any]:
 
 def micro_epoch(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def wait_for_standby(proc: OperatorProcess, or_leader: bool = False) -> None:
+    """Until the (re)started replica is up and watching the Lease, plus two of its attempts: a
+    standby can only time a holder's silence from when it first saw the Lease (Python and kopf take
+    seconds to start on a loaded machine, which would otherwise count as takeover time)."""
+
+    def up() -> bool:
+        since_start = proc.tail(400).rsplit("===== start #", 1)[-1]
+        return "waiting for Lease" in since_start or (or_leader and "acquired Lease" in since_start)
+
+    wait_for("the replica to watch the Lease", up, timeout=60)
+    time.sleep(2 * RETRY)
 
 
 @pytest.fixture
@@ -209,6 +223,8 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
     try:
         for proc, _ in replicas.values():
             proc.start()
+        for proc, _ in replicas.values():
+            wait_for_standby(proc, or_leader=True)
         holder = wait_for("a leader", lambda: lease(kube, ns).get("holderIdentity"), timeout=60)
         terms.append([holder, micro_epoch(lease(kube, ns)["acquireTime"]), None])
         kube.apply(llmd("tiny", TINY), ns)
@@ -228,7 +244,9 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
                 leader_proc.stop()  # SIGTERM: finish in-flight work, release the Lease at once
             else:
                 leader_partition.cut()
-            terms[-1][2] = fault_at
+            # Its term ends when it can write no more: at once for a kill or a partition, once the
+            # process has exited for a graceful stop (it finishes in-flight work as the leader).
+            terms[-1][2] = time.time() if fault == "terminate" else fault_at
             # Change the spec while the leader is gone: the new leader must converge it.
             spec = {**TINY, "decode": {"replicas": 1 + round_}}
             kube.apply(llmd("tiny", spec), ns)
@@ -260,6 +278,7 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
                 )
                 leader_partition.heal()
             leader_proc.start()  # back as the standby
+            wait_for_standby(leader_proc)
             holder = standby
         # The last standby really waits: the Lease stays where it is.
         time.sleep(2 * RETRY)
