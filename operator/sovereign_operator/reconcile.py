@@ -79,6 +79,36 @@ def _api_error_code(error: Exception) -> int | None:
     return code if isinstance(code, int) else None
 
 
+def _api_error_message(error: Exception) -> str:
+    """The apiserver's own message (lightkube's Status.message), else the exception's text."""
+    message = getattr(getattr(error, "status", None), "message", None)
+    return message if isinstance(message, str) and message else str(error)
+
+
+def apply_problem(code: int | None, child: str, message: str) -> tuple[Problem | None, bool]:
+    """What a failed write of `child` (e.g. "StatefulSet/tiny-unified") means for the deployment:
+    the problem a person must see (None for a transient error) and whether retrying can help."""
+    lowered = message.lower()
+    if code in (400, 422):
+        # The same spec renders the same child: only a change of spec helps.
+        return Problem("ApplyRejected", f"the apiserver rejected {child}: {message}"), False
+    if code == 403 and "exceeded quota" in lowered:
+        return Problem(
+            "QuotaExceeded", f"{child} does not fit the namespace's ResourceQuota: {message}"
+        ), True
+    if code == 403 and "admission" in lowered:
+        return Problem("AdmissionDenied", f"an admission check denied {child}: {message}"), True
+    if code == 403:
+        return Problem("Forbidden", f"the operator lacks RBAC permission for {child}: {message}"), True
+    if code == 409:
+        return Problem("Conflict", f"{child} conflicts with another writer: {message}"), True
+    return None, True
+
+
+def _child_ref(child: Mapping[str, Any]) -> str:
+    return f"{child.get('kind')}/{(child.get('metadata') or {}).get('name')}"
+
+
 def _digest(children: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
 
@@ -170,27 +200,25 @@ class Reconciler:
             metrics.RECONCILES.labels("unchanged").inc()
             return previous
 
+        writing = "the children"
         try:
             for child in rendered.children:
+                writing = _child_ref(child)
                 await self.kube.apply(child)
                 metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
+            writing = "children of an earlier mode (prune)"
             keep = {(c["kind"], c["metadata"]["name"]) for c in rendered.children}
             await self.kube.prune(ref.namespace, ref.name, ref.uid, keep)
         except Exception as error:
-            code = _api_error_code(error)
-            if code in (400, 422):
-                # The apiserver rejected a child: retrying the same spec cannot help.
-                problem = Problem("ApplyRejected", f"the apiserver rejected a child: {error}")
-                self.report_problem(body, problem)
-                metrics.RECONCILES.labels("failed").inc()
-                outcome = Outcome(generation, rendered, problem, None)
-                self.outcomes[key] = outcome
-                return outcome
-            if code == 403:
-                problem = Problem("Forbidden", f"the operator lacks RBAC permission: {error}")
+            problem, retryable = apply_problem(_api_error_code(error), writing, _api_error_message(error))
+            if problem is not None:
+                # Named in status and an Event; other deployments keep reconciling meanwhile.
                 self.report_problem(body, problem)
                 self.outcomes[key] = Outcome(generation, rendered, problem, None)
-            raise self._classify(error, "applying children", retry) from error
+            if not retryable:
+                metrics.RECONCILES.labels("failed").inc()
+                return self.outcomes[key]
+            raise self._classify(error, f"applying {writing}", retry) from error
 
         metrics.RECONCILES.labels("applied").inc()
         outcome = Outcome(generation, rendered, None, digest)

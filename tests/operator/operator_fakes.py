@@ -10,9 +10,9 @@ from sovereign_operator.observe import Observed
 
 
 class FakeApiError(Exception):
-    def __init__(self, code: int) -> None:
+    def __init__(self, code: int, message: str = "") -> None:
         super().__init__(f"HTTP {code}")
-        self.status = type("Status", (), {"code": code})()
+        self.status = type("Status", (), {"code": code, "message": message or f"HTTP {code}"})()
 
 
 class FakeKube:
@@ -26,12 +26,16 @@ class FakeKube:
         self.status_writes: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.fail_apply_with: int | None = None
+        # (kind, code, message): only that kind's apply fails, with the apiserver's message.
+        self.fail_apply_of: tuple[str, int, str] | None = None
         self.conflicts_left = 0
         self.events: list[dict[str, Any]] = []
 
     async def apply(self, child: dict[str, Any]) -> None:
         if self.fail_apply_with is not None:
             raise FakeApiError(self.fail_apply_with)
+        if self.fail_apply_of is not None and child["kind"] == self.fail_apply_of[0]:
+            raise FakeApiError(self.fail_apply_of[1], self.fail_apply_of[2])
         self.applies += 1
         self.children[(child["kind"], child["metadata"]["name"])] = copy.deepcopy(child)
 

@@ -115,6 +115,49 @@ def test_api_errors_retry_with_backoff_or_degrade(code: int, retried: bool) -> N
         assert problems, "a person must hear about RBAC gaps and rejected children"
 
 
+@pytest.mark.parametrize(
+    ("code", "message", "reason", "retried"),
+    [
+        (
+            403,
+            'poddisruptionbudgets "tiny-unified" is forbidden: exceeded quota: q, requested: '
+            "count/poddisruptionbudgets.policy=1",
+            "QuotaExceeded",
+            True,
+        ),
+        (403, 'admission webhook "deny.example" denied the request: no', "AdmissionDenied", True),
+        (403, "User cannot patch resource poddisruptionbudgets", "Forbidden", True),
+        (409, 'Apply failed with 1 conflict: conflict with "kubectl"', "Conflict", True),
+        (
+            422,
+            "PodDisruptionBudget.policy is invalid: spec.minAvailable: Invalid value",
+            "ApplyRejected",
+            False,
+        ),
+    ],
+)
+def test_a_child_that_cannot_be_applied_is_named_with_the_apiservers_message(
+    code: int, message: str, reason: str, retried: bool
+) -> None:
+    problems: list[Problem] = []
+    kube = FakeKube(body_for(TINY_SPEC))
+    kube.fail_apply_of = ("PodDisruptionBudget", code, message)
+    reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
+
+    async def scenario() -> None:
+        if retried:
+            with pytest.raises(RetryLater):
+                await reconciler.reconcile(kube.body)
+        else:
+            await reconciler.reconcile(kube.body)
+
+    asyncio.run(scenario())
+    degraded = next(c for c in kube.body["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == reason
+    assert "PodDisruptionBudget/llm-unified" in degraded["message"] and message in degraded["message"]
+    assert [p.reason for p in problems] == [reason]
+
+
 def test_backoff_grows_and_is_capped() -> None:
     delays = [backoff_seconds(retry) for retry in range(10)]
     assert delays == sorted(delays) and delays[0] >= 1 and delays[-1] == 300
