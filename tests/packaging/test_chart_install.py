@@ -167,7 +167,8 @@ def test_operator_pod_is_admitted_under_restricted(cluster: Cluster, release: di
     # reports ReplicaFailure instead of a pod appearing.
     wait_for("the operator pod to be created", lambda: pods() or replica_set_failure(), timeout=120)
     assert not replica_set_failure(), replica_set_failure()
-    assert len(pods()) == 1
+    # Two replicas by default: one holds the leader-election Lease, the other waits.
+    wait_for("both operator replicas", lambda: len(pods()) == 2, timeout=120)
 
 
 def as_operator(cluster: Cluster, release: dict[str, str], *args: str, stdin: str | None = None):
@@ -198,6 +199,17 @@ def test_chart_rbac_denies_what_the_operator_does_not_need(cluster: Cluster, rel
     for verb, resource in [("get", "secrets"), ("delete", "nodes"), ("create", "clusterroles")]:
         proc = as_operator(cluster, release, "auth", "can-i", verb, resource, "--all-namespaces")
         assert proc.stdout.strip() == "no", f"{release['sa']} may {verb} {resource}"
+
+
+def test_chart_rbac_grants_the_lease_only_in_the_release_namespace(cluster: Cluster, release: dict[str, str]):
+    ns = release["namespace"]
+    for verb in ("get", "create", "update"):
+        proc = as_operator(cluster, release, "auth", "can-i", verb, "leases.coordination.k8s.io", "-n", ns)
+        assert proc.stdout.strip() == "yes", f"{release['sa']} cannot {verb} leases in {ns}"
+    proc = as_operator(
+        cluster, release, "auth", "can-i", "update", "leases.coordination.k8s.io", "-n", "default"
+    )
+    assert proc.stdout.strip() == "no", f"{release['sa']} may update leases outside its namespace"
 
 
 @pytest.mark.parametrize("example,rdma", [("tiny.yaml", "no"), ("deepseek-v3-pd.yaml", "yes")])
