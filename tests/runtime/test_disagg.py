@@ -355,3 +355,51 @@ def test_client_hanging_up_during_the_transfer_frees_the_reserved_blocks(checkpo
     finally:
         decode.close()
         fake.close()
+
+
+def _transfer_counts(cluster: dict[str, Any]) -> tuple[int, int, int]:
+    decodes = [d.kv_health() for d in cluster["decodes"]]
+    return (
+        cluster["prefill"].kv_health()["transfers_failed"],
+        sum(h["transfers_failed"] for h in decodes),
+        sum(h["fallbacks"] for h in decodes),
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"min_tokens": 6, "max_tokens": 8},
+        {"seed": 1234, "temperature": 1.0, "max_tokens": 12},
+        {"stop": "STOP", "max_tokens": 12},  # "STOP" is replaced by a piece of the unified answer
+        {"logprobs": 3, "max_tokens": 5},
+    ],
+    ids=["min_tokens", "seed", "stop", "logprobs"],
+)
+def test_sampling_parameters_give_the_unified_output_through_a_pair(
+    cluster: dict[str, Any], sampling: dict[str, Any]
+) -> None:
+    """The prefill samples the first token exactly as a unified instance would, whatever the request's
+    sampling parameters; the decode continues from there. No transfer fails, nothing is prefilled twice."""
+    unified, router = cluster["unified"], cluster["router"]
+    prompt = "sample me through a pair, " + "please " * 4
+    body = {k: v for k, v in sampling.items() if k != "temperature"}
+    temperature = sampling.get("temperature", 0)
+    if "stop" in body:
+        plain = completion(unified.url, prompt, max_tokens=12, ignore_eos=True)["choices"][0]["text"]
+        body["stop"] = plain[5:7]  # a stop string the greedy answer reaches after a few tokens
+    want = completion(unified.url, prompt, temperature=temperature, ignore_eos=True, **body)["choices"][0]
+    before = _transfer_counts(cluster)
+    ok_before = cluster["prefill"].kv_health()["transfers_ok"]
+    got = completion(router.url, prompt, temperature=temperature, ignore_eos=True, **body)["choices"][0]
+    assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"]
+    if "logprobs" in body:
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(
+            want["logprobs"]["token_logprobs"], abs=1e-4
+        )
+        assert [sorted(t) for t in got["logprobs"]["top_logprobs"]] == [
+            sorted(t) for t in want["logprobs"]["top_logprobs"]
+        ]
+    assert _transfer_counts(cluster) == before  # no refusal by the prefill, no local prefill on the decode
+    assert cluster["prefill"].kv_health()["transfers_ok"] == ok_before + 1

@@ -372,8 +372,8 @@ class DisaggService:
             prompt = [int(t) for t in body["prompt_token_ids"]]
             room, ticket = str(body["room"]), dict(body["ticket"])
             num_cached = int(body.get("num_cached_tokens", 0))
-            sampling = {**dict(body.get("sampling") or {}), "max_tokens": 1}
-            params = SamplingParams(**sampling)
+            # The decode sends the request's own parameters; the prefill samples its first token only.
+            params = SamplingParams(**dict(body.get("sampling") or {})).for_first_token()
             if not prompt or not 0 <= num_cached < len(prompt) or not _ROOM.match(room):
                 raise ValueError("need a non-empty prompt, 0 <= num_cached_tokens < its length, a room id")
         except (ValueError, KeyError, TypeError) as exc:

@@ -135,10 +135,12 @@ class LLMEngine:
         num_layers: int,
         kv_cache_dim: int,
         max_position_embeddings: int,
+        vocab_size: int,
         eos_token_ids: set[int] | None = None,
         config: EngineConfig | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
+        self.vocab_size = vocab_size
         self.device = torch.device(cfg.device)
         dtype = cfg.dtype or _activation_dtype(model)
         max_model_len = cfg.max_model_len or max_position_embeddings
@@ -196,6 +198,7 @@ class LLMEngine:
             num_layers=mc.num_hidden_layers,
             kv_cache_dim=mc.kv_lora_rank + mc.qk_rope_head_dim,
             max_position_embeddings=mc.max_position_embeddings,
+            vocab_size=mc.vocab_size,
             eos_token_ids=eos_ids,
             config=config,
         )
@@ -218,9 +221,8 @@ class LLMEngine:
         params.validate()
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        vocab = getattr(getattr(self.runner.model, "config", None), "vocab_size", None)
-        if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_token_ids), len(prompt_token_ids), params)
         seq.generator = make_generator(params.seed, self.device)
         self.scheduler.check_request(seq)
@@ -293,6 +295,8 @@ class LLMEngine:
         seq = self.scheduler.commit(request_id, token, now)
         if seq is None:
             return None
+        # The prefill drew the first token from its own generator, seeded alike: draw past it here.
+        self.runner.sampler.skip_token(seq.params, seq.generator, self.vocab_size)
         self.generation_tokens_total += 1
         lp = [logprob] if logprob is not None and seq.params.logprobs is not None else None
         return self._output(seq, [token], lp, now)

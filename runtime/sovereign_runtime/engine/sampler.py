@@ -84,7 +84,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for i, g in enumerate(generators):
             if g is not None and not greedy[i]:
-                noise[i].exponential_(generator=g)
+                _draw_noise(noise[i], g)
         picked = (probs / noise).argmax(dim=-1)
         if filtered:
             picked = order.gather(1, picked.view(-1, 1)).view(-1)
@@ -92,6 +92,21 @@ class Sampler:
             mask = torch.tensor(greedy, device=device)
             picked = torch.where(mask, logits.argmax(dim=-1), picked)
         return picked
+
+    @staticmethod
+    def skip_token(params: SamplingParams, generator: torch.Generator | None, vocab_size: int) -> None:
+        """Consume from ``generator`` exactly what sampling one token for ``params`` consumes.
+
+        A sequence whose first token was sampled elsewhere (a remote prefill, seeded alike) then draws its
+        second token from where a unified run would, so a seeded request samples the same continuation.
+        """
+        if generator is not None and not params.greedy:
+            _draw_noise(torch.empty(vocab_size, dtype=torch.float32, device=generator.device), generator)
+
+
+def _draw_noise(row: torch.Tensor, generator: torch.Generator) -> None:
+    """One token's noise for one seeded row (float32, vocabulary wide): the only draw a token takes."""
+    row.exponential_(generator=generator)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # Generous but finite: a client asking for more is almost certainly a bug.
@@ -72,6 +73,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_first_token(self) -> SamplingParams:
+        """The parameters a remote prefill samples with: this request's first token, exactly as a unified
+        run samples it (temperature, filters, seed, logprobs), and nothing after it.
+
+        Stopping rules (``min_tokens``, stop ids, EOS) stay with the decode instance, which applies this
+        request's own parameters to the first token it receives and to every later one.
+        """
+        return dataclasses.replace(self, max_tokens=1, min_tokens=0)
 
 
 def _check_number(name: str, value: object, kind: type) -> None:
