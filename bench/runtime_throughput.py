@@ -90,7 +90,7 @@ def _hf_runner(path: Path, prompt: list[int], new_tokens: int) -> Callable[[], t
 
 
 def _engine(path: Path, **kw: object):  # type: ignore[no-untyped-def]
-    from sovereign_runtime.engine import EngineConfig, LLMEngine
+    from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 
     cfg = EngineConfig(**{"num_kv_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048, **kw})
     return LLMEngine.from_pretrained(path, cfg)

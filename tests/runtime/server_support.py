@@ -1,18 +1,20 @@
 """Helpers for the server tests: a small byte-level tokenizer on disk and a scripted fake engine.
 
-The fake engine honours the ``AsyncEngine`` contract (async iterator of outputs, closing aborts, stats) so
-HTTP-shape tests run in milliseconds; the end-to-end tests use the real engine.
+The fake engine honours the ``AsyncEngine`` contract in the engine's own types (an async generator of
+``RequestOutput``, closing it aborts, ``EngineStats``) so HTTP-shape tests run in milliseconds; the
+end-to-end tests use the real engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sovereign_runtime.engine import EngineStats, RequestOutput, TokenLogprob
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 BOS, EOS, USER, ASSISTANT = "<s>", "</s>", "<|user|>", "<|assistant|>"
@@ -54,18 +56,6 @@ def write_byte_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE) ->
 
 
 @dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Any] | None
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass
 class FakeEngine:
     """Replies with ``script`` (token ids) one token per step, honouring max_tokens, stop ids and eos."""
 
@@ -79,22 +69,25 @@ class FakeEngine:
     seen_params: list[Any] = field(default_factory=list)
     seen_prompts: list[list[int]] = field(default_factory=list)
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "num_requests_running": len(self.active),
-            "num_requests_waiting": 0,
-            "kv_cache_usage_perc": 0.25 if self.active else 0.0,
-            "prefix_cache_queries": 10,
-            "prefix_cache_hits": 4,
-            "prompt_tokens_waiting": 0,
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests_running=len(self.active),
+            num_requests_waiting=0,
+            kv_cache_usage=0.25 if self.active else 0.0,
+            num_free_blocks=0,
+            num_cached_blocks=0,
+            prefix_cache_queries=10,
+            prefix_cache_hits=4,
+            prompt_tokens_waiting=0,
+            num_preemptions=0,
+        )
 
     def generate(
         self, prompt_token_ids: Sequence[int], params: Any, request_id: str | None = None
-    ) -> AsyncIterator[FakeOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         return self._run(list(prompt_token_ids), params, request_id or "fake")
 
-    async def _run(self, prompt: list[int], params: Any, rid: str) -> AsyncIterator[FakeOutput]:
+    async def _run(self, prompt: list[int], params: Any, rid: str) -> AsyncGenerator[RequestOutput, None]:
         self.seen_params.append(params)
         self.seen_prompts.append(prompt)
         self.active.add(rid)
@@ -113,9 +106,9 @@ class FakeEngine:
                     reason = "length"
                 lps = None
                 if params.logprobs is not None:
-                    lps = [(-0.5, [(tok, -0.5), (7, -1.5)][: params.logprobs])]
+                    lps = [TokenLogprob(tok, -0.5, [(tok, -0.5), (7, -1.5)][: params.logprobs])]
                 out_ids = [] if tok == self.eos_token_id and reason == "stop" else [tok]
-                yield FakeOutput(
+                yield RequestOutput(
                     rid, out_ids, lps, reason is not None, reason, len(prompt), i + 1, self.cached_tokens
                 )
                 if reason:

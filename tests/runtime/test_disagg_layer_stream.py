@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from sovereign_runtime.disagg.kv_rows import write_rows
 from sovereign_runtime.disagg.service import _Exporter
-from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from sovereign_runtime.engine.engine import RemoteSlot
+from sovereign_runtime.engine import SamplingParams
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
+from sovereign_runtime.engine.remote_prefill import RemoteFirstToken, RemotePrefill, RemoteSlot
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -94,14 +95,15 @@ def test_single_and_multi_chunk_transfers_reproduce_unified_greedy(tiny_checkpoi
         prefill = _engine(tiny_checkpoint, max_num_batched_tokens=chunk)
         decode = _engine(tiny_checkpoint)
         seq = decode.make_sequence(prompt, GREEDY)
-        slot = decode.reserve_remote(seq)
+        remote = RemotePrefill(decode)
+        slot = remote.reserve(seq)
         assert slot is not None and slot.num_cached == 0
         stream = _LoopbackStream([], slot)
         first = _prefill(prefill, prompt, stream)
         num_layers = prefill.runner.kv_cache.shape[0]
         chunks = -(-len(prompt) // chunk)
         assert len(stream.frames) == chunks * num_layers
-        out = decode.commit_remote(seq.request_id, first, None, time.monotonic())
+        out = remote.commit(seq.request_id, RemoteFirstToken(first), time.monotonic())
         assert out is not None
         got = list(out.new_token_ids)
         while decode.has_unfinished():

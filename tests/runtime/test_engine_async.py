@@ -8,7 +8,9 @@ import random
 import time
 
 import pytest
-from sovereign_runtime.engine import AsyncEngine, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from sovereign_runtime.engine import RequestOutput, SamplingParams
+from sovereign_runtime.engine.async_engine import AsyncEngine
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 from toy_model import ToyPagedModel
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import load_hf_reference
-from sovereign_runtime.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from sovereign_runtime.engine import SamplingParams
+from sovereign_runtime.engine.async_engine import AsyncEngine
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

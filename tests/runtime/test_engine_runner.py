@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from sovereign_runtime.engine import SamplingParams
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 from sovereign_runtime.engine.scheduler import ScheduledBatch
 from sovereign_runtime.engine.sequence import Sequence
 from sovereign_runtime.model.context import attention_context

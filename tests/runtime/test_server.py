@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -304,6 +306,29 @@ def test_bad_requests_get_openai_errors_naming_the_parameter(
     # The server keeps serving.
     ok, _ = server.request("POST", COMP, {"prompt": "x", "max_tokens": 2})
     assert ok == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "rule"),
+    [
+        (CHAT, chat_body(logprobs=True, top_logprobs=50), "top_logprobs", "must be in [0, 20], got 50"),
+        (CHAT, chat_body(max_completion_tokens=0), "max_completion_tokens", "must be in [1, "),
+        (COMP, {"prompt": "x", "temperature": 2.5}, "temperature", "must be in [0, 2], got 2.5"),
+        (COMP, {"prompt": "x", "seed": -1}, "seed", "must be in [0, 2**63), got -1"),
+    ],
+)
+def test_engine_bounds_reach_the_client_in_its_own_parameter_names(
+    server: LiveServer, path: str, body: dict[str, Any], param: str, rule: str
+) -> None:
+    """SamplingParams owns the bounds; the server names the parameter the client sent, not the engine's."""
+    status, err = server.request("POST", path, body)
+    assert status == 400 and err["error"]["param"] == param and err["error"]["code"] == "invalid_value"
+    assert err["error"]["message"].startswith(f"'{param}' {rule}")
+
+
+def test_the_server_imports_the_engine_contract_without_torch() -> None:
+    code = "import sys, sovereign_runtime.server; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_malformed_json_and_non_object_body(server: LiveServer) -> None:

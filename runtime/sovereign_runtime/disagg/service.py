@@ -31,7 +31,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,9 @@ import torch
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ..engine.engine import AsyncEngine, RemoteFirstToken, RemoteSlot, TokenLogprob
+from ..engine.api import RequestOutput, TokenLogprob
+from ..engine.async_engine import AsyncEngine
+from ..engine.remote_prefill import RemoteFirstToken, RemoteSlot
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Sequence
 from .kv_rows import read_layer_rows, write_rows
@@ -182,7 +184,7 @@ class DisaggEngine:
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         kv = TRANSFER_PARAMS.get()
         if kv is None or not self.service.claim_room(kv["room"]):
             return self.inner.generate(prompt_token_ids, params, request_id)
@@ -191,13 +193,13 @@ class DisaggEngine:
         async def fetch(slot: RemoteSlot) -> RemoteFirstToken | None:
             return await self.service.fetch(slot, kv, prompt, params)
 
-        async def outputs() -> AsyncIterator[Any]:
+        async def outputs() -> AsyncGenerator[RequestOutput, None]:
             stream = self.inner.generate_remote(prompt, params, fetch, request_id)
             try:
                 async for out in stream:
                     yield out
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
                 self.service.release_room(kv["room"])  # also when fetch never ran (no blocks: local)
 
         return outputs()

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from .api import InvalidRequest, SchedulerStats
 from .block_manager import BlockPool
 from .radix_cache import RadixCache
 from .sequence import Sequence, SequenceStatus
@@ -54,19 +55,6 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
-@dataclass
-class SchedulerStats:
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_cached_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_waiting: int
-    num_preemptions: int
-
-
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, num_blocks: int, eos_token_ids: set[int] | None = None
@@ -96,17 +84,19 @@ class Scheduler:
         """Reject a request that could never run (reads only configuration: safe from any thread)."""
         cfg = self.config
         if seq.num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least one token")
+            raise InvalidRequest("prompt", "must contain at least one token")
         if seq.num_prompt_tokens >= cfg.max_model_len:
-            raise ValueError(
-                f"prompt has {seq.num_prompt_tokens} tokens; the context is {cfg.max_model_len} tokens "
-                "and at least one must remain for the completion"
+            raise InvalidRequest(
+                "prompt",
+                f"has {seq.num_prompt_tokens} tokens; the context is {cfg.max_model_len} tokens "
+                "and at least one must remain for the completion",
             )
         longest = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len)
         if self._blocks_for(longest) > self.pool.num_blocks:
-            raise ValueError(
+            raise InvalidRequest(
+                None,  # the pool is too small for the request as a whole, no one field is at fault
                 f"prompt plus max_tokens needs {longest} tokens of KV cache; the pool holds "
-                f"{self.pool.num_blocks * self.block_size}"
+                f"{self.pool.num_blocks * self.block_size}",
             )
 
     def abort(self, request_id: str) -> Sequence | None:

@@ -15,15 +15,17 @@ from typing import Any
 
 from aiohttp import web
 
+from ..engine.api import TokenLogprob
+from ..engine.sampling import SamplingParams
 from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser, Tokenizer
-from .generation import Step, TopLogprobs, run_request
+from .generation import Step, run_request
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
-    SamplingRequest,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
+    sampling_params,
 )
 from .state import LoadedRuntime, Loader, ServerState
 
@@ -177,8 +179,6 @@ async def _startup(app: web.Application) -> None:
 
 async def _warm_up(state: ServerState, rt: LoadedRuntime) -> None:
     """Run real requests so kernels compile and caches fill before /health/ready says yes."""
-    from ..engine import SamplingParams  # imported late: the server module itself stays torch-free
-
     token = rt.tokenizer.bos_token_id or 0
     for phase, batch in (("compiling", 1), ("warming_up", 2)):
         state.report(phase, 0.0, f"{batch} warm-up request(s)")
@@ -287,43 +287,29 @@ class _Api:
                 code="model_not_found",
             )
 
-    def _params(self, s: SamplingRequest, max_tokens: int) -> Any:
-        from ..engine import SamplingParams
-
-        try:
-            return SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                max_tokens=max_tokens,
-                seed=s.seed,
-                stop_token_ids=list(s.stop_token_ids),
-                ignore_eos=s.ignore_eos,
-                logprobs=s.logprobs,
-                min_tokens=min(s.min_tokens, max_tokens),
-            )
-        except ValueError as exc:
-            param = str(exc).split(" ", 1)[0]
-            raise APIError(str(exc), param=param, code="invalid_value") from None
-
     # ---- /v1/chat/completions ----------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         rt = self._runtime()
-        req = parse_chat_request(await self._body(request), rt.max_model_len)
+        req = parse_chat_request(await self._body(request))
         self._check_model(req.model)
         try:
             prompt_text, prompt_ids = rt.tokenizer.encode_chat(req.messages, req.add_generation_prompt)
         except ChatTemplateError as exc:
             raise APIError(str(exc), param="messages", code="invalid_value") from None
-        max_tokens = resolve_max_tokens(
-            req.sampling, len(prompt_ids), rt.max_model_len, None, param="messages"
-        )
-        params = self._params(req.sampling, max_tokens)
+        max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
+        params = sampling_params(req.sampling, max_tokens)
         started_thinking = prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
         steps = run_request(
-            rt.engine, rt.tokenizer, self.server_metrics, prompt_ids, params, req.sampling.stop, rid
+            rt.engine,
+            rt.tokenizer,
+            self.server_metrics,
+            prompt_ids,
+            params,
+            req.sampling.stop,
+            rid,
+            req.sampling.param_names,
         )
         self.state.request_started()
         try:
@@ -342,7 +328,7 @@ class _Api:
         text, lps, last = [], [], None
         async for step in steps:
             text.append(step.text)
-            lps.extend(zip(step.token_ids, step.logprobs, strict=False))
+            lps.extend(step.logprobs)
             last = step
         assert last is not None
         reasoning, content = ReasoningParser.split("".join(text), started_thinking)
@@ -397,8 +383,7 @@ class _Api:
                 if step.finish_reason is not None:
                     r2, c2 = parser.flush()
                     reasoning, content = reasoning + r2, content + c2
-                lps = list(zip(step.token_ids, step.logprobs, strict=False))
-                logprobs = self._chat_logprobs(rt.tokenizer, lps) if any(lp for _, lp in lps) else None
+                logprobs = self._chat_logprobs(rt.tokenizer, step.logprobs) if step.logprobs else None
                 if reasoning:
                     await resp.write(chunk({"reasoning_content": reasoning}))
                 if content or logprobs:
@@ -455,15 +440,11 @@ class _Api:
         text = tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def _chat_logprobs(
-        self, tokenizer: Tokenizer, lps: list[tuple[int, tuple[float, TopLogprobs] | None]]
-    ) -> Any:
+    def _chat_logprobs(self, tokenizer: Tokenizer, lps: list[TokenLogprob]) -> Any:
         content = []
-        for token_id, lp in lps:
-            if lp is None:
-                continue
-            entry = self._token_entry(tokenizer, token_id, lp[0])
-            entry["top_logprobs"] = [self._token_entry(tokenizer, t, v) for t, v in lp[1]]
+        for lp in lps:
+            entry = self._token_entry(tokenizer, lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._token_entry(tokenizer, t, v) for t, v in lp.top]
             content.append(entry)
         return {"content": content}
 
@@ -471,7 +452,7 @@ class _Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         rt = self._runtime()
-        req = parse_completion_request(await self._body(request), rt.max_model_len, rt.tokenizer.vocab_size)
+        req = parse_completion_request(await self._body(request), rt.tokenizer.vocab_size)
         self._check_model(req.model)
         jobs = []
         for prompt in req.prompts:
@@ -481,13 +462,20 @@ class _Api:
             max_tokens = resolve_max_tokens(
                 req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
             )
-            jobs.append((ids, self._params(req.sampling, max_tokens)))
+            jobs.append((ids, sampling_params(req.sampling, max_tokens)))
         rid = _new_id("cmpl")
         self.state.request_started()
         try:
             streams = [
                 run_request(
-                    rt.engine, rt.tokenizer, self.server_metrics, ids, params, req.sampling.stop, f"{rid}-{i}"
+                    rt.engine,
+                    rt.tokenizer,
+                    self.server_metrics,
+                    ids,
+                    params,
+                    req.sampling.stop,
+                    f"{rid}-{i}",
+                    req.sampling.param_names,
                 )
                 for i, (ids, params) in enumerate(jobs)
             ]
@@ -502,18 +490,16 @@ class _Api:
             self.state.request_finished()
 
     def _completion_choice(
-        self, tokenizer: Tokenizer, index: int, text: str, lps: list[Any], finish: str | None
+        self, tokenizer: Tokenizer, index: int, text: str, lps: list[TokenLogprob], finish: str | None
     ) -> dict[str, Any]:
         logprobs = None
-        if lps and any(lp for _, lp in lps):
+        if lps:
             tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-            for token_id, lp in lps:
-                if lp is None:
-                    continue
-                tok = tokenizer.decode([token_id])
+            for lp in lps:
+                tok = tokenizer.decode([lp.token_id])
                 tokens.append(tok)
-                token_lps.append(lp[0])
-                tops.append({tokenizer.decode([t]): v for t, v in lp[1]})
+                token_lps.append(lp.logprob)
+                tops.append({tokenizer.decode([t]): v for t, v in lp.top})
                 offsets.append(offset)
                 offset += len(tok)
             logprobs = {
@@ -527,11 +513,13 @@ class _Api:
     async def _completion_full(
         self, rt: LoadedRuntime, streams: list[AsyncIterator[Step]], rid: str
     ) -> web.Response:
-        async def collect(stream: AsyncIterator[Step]) -> tuple[str, list[Any], Step]:
-            text, lps, last = [], [], None
+        async def collect(stream: AsyncIterator[Step]) -> tuple[str, list[TokenLogprob], Step]:
+            text: list[str] = []
+            lps: list[TokenLogprob] = []
+            last = None
             async for step in stream:
                 text.append(step.text)
-                lps.extend(zip(step.token_ids, step.logprobs, strict=False))
+                lps.extend(step.logprobs)
                 last = step
             assert last is not None
             return "".join(text), lps, last
@@ -586,10 +574,11 @@ class _Api:
                     remaining -= 1
                     continue
                 finals[i] = step
-                lps = list(zip(step.token_ids, step.logprobs, strict=False))
-                if not step.text and step.finish_reason is None and not any(lp for _, lp in lps):
+                if not step.text and step.finish_reason is None and not step.logprobs:
                     continue
-                choice = self._completion_choice(rt.tokenizer, i, step.text, lps, step.finish_reason)
+                choice = self._completion_choice(
+                    rt.tokenizer, i, step.text, step.logprobs, step.finish_reason
+                )
                 body = {
                     "id": rid,
                     "object": "text_completion",

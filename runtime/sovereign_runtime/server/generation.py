@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..engine.api import InvalidRequest, RequestOutput, TokenLogprob
+from ..engine.sampling import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from .metrics import ServerMetrics
-from .protocol import APIError
+from .protocol import request_error
 from .state import EngineLike
-
-TopLogprobs = list[tuple[int, float]]
 
 
 @dataclass
@@ -21,49 +20,25 @@ class Step:
 
     text: str
     token_ids: list[int]
-    logprobs: list[tuple[float, TopLogprobs] | None] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when logprobs were asked
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
 
 
-def normalize_logprob(entry: Any) -> tuple[float, TopLogprobs] | None:
-    """Accept the engine's per-token logprob in any of its plausible shapes."""
-    if entry is None:
-        return None
-    if isinstance(entry, int | float):
-        return float(entry), []
-    if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], int | float):
-        top = entry[1] or []
-        if isinstance(top, dict):
-            top = list(top.items())
-        return float(entry[0]), [(int(t), float(lp)) for t, lp in top]
-    lp = getattr(entry, "logprob", None)
-    if lp is not None:
-        top = getattr(entry, "top", None) or getattr(entry, "top_logprobs", None) or []
-        if isinstance(top, dict):
-            top = list(top.items())
-        return float(lp), [(int(t), float(v)) for t, v in top]
-    return None
-
-
-async def _aclose(gen: Any) -> None:
-    close = getattr(gen, "aclose", None)
-    if close is not None:
-        await close()
-
-
-async def _user_errors(gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """The engine rejects requests it cannot serve (e.g. larger than the KV pool) with ValueError."""
+async def _user_errors(
+    gen: AsyncIterator[RequestOutput], param_names: Mapping[str, str]
+) -> AsyncIterator[RequestOutput]:
+    """The engine refuses requests it cannot serve (e.g. larger than the KV pool): a 400 naming the field."""
     it = aiter(gen)
     while True:
         try:
             out = await anext(it)
         except StopAsyncIteration:
             return
-        except ValueError as exc:
-            raise APIError(str(exc), code="invalid_value") from None
+        except InvalidRequest as exc:
+            raise request_error(exc, param_names) from None
         yield out
 
 
@@ -72,14 +47,16 @@ async def run_request(
     tokenizer: Tokenizer,
     metrics: ServerMetrics,
     prompt_ids: Sequence[int],
-    params: Any,
+    params: SamplingParams,
     stops: Sequence[str],
     request_id: str,
+    param_names: Mapping[str, str],
 ) -> AsyncIterator[Step]:
     """Yield one ``Step`` per engine output; the last has ``finish_reason`` set.
 
     Leaving early (client gone, stop string, cancellation) closes the engine's iterator, which aborts the
-    request and frees its KV blocks at once.
+    request and frees its KV blocks at once. ``param_names`` renames a refused engine field to the
+    client's parameter.
     """
     arrival = time.monotonic()
     last_token_at: float | None = None
@@ -89,20 +66,17 @@ async def run_request(
     finish: str | None = None
     gen = engine.generate(list(prompt_ids), params, request_id=request_id)
     try:
-        async for out in _user_errors(gen):
+        async for out in _user_errors(gen, param_names):
             now = time.monotonic()
-            new_ids = list(out.new_token_ids or [])
+            new_ids = out.new_token_ids
             if new_ids:
                 if last_token_at is None:
                     metrics.ttft.observe(now - arrival)
                 else:
                     metrics.observe_token_gap(now - last_token_at, len(new_ids))
                 last_token_at = now
-            prompt_tokens = int(getattr(out, "prompt_tokens", None) or prompt_tokens)
-            completion_tokens = int(
-                getattr(out, "completion_tokens", None) or (completion_tokens + len(new_ids))
-            )
-            cached_tokens = int(getattr(out, "cached_tokens", None) or cached_tokens)
+            prompt_tokens, completion_tokens = out.prompt_tokens, out.completion_tokens
+            cached_tokens = out.cached_tokens
             text = detok.add(new_ids)
             if out.finished:
                 text += detok.flush()
@@ -112,11 +86,10 @@ async def run_request(
             elif out.finished:
                 text += matcher.flush()
                 finish = out.finish_reason or "stop"
-            raw_lps = list(getattr(out, "new_logprobs", None) or [])
             step = Step(
                 text=text,
                 token_ids=new_ids,
-                logprobs=[normalize_logprob(x) for x in raw_lps],
+                logprobs=out.new_logprobs or [],
                 finish_reason=finish,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
@@ -127,7 +100,7 @@ async def run_request(
                 break
     finally:
         # Closing before the engine finished aborts the request (stop string, disconnect, cancellation).
-        await _aclose(gen)
+        await gen.aclose()
         metrics.observe_finish(
             finish or "abort", prompt_tokens, completion_tokens, time.monotonic() - arrival
         )

@@ -44,7 +44,8 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
     """Load everything the server needs; runs in a worker thread while HTTP already answers probes."""
     import torch
 
-    from ..engine.engine import AsyncEngine, EngineConfig, LLMEngine
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.engine import EngineConfig, LLMEngine
     from ..model import load_model
 
     progress("loading_weights", 0.0, "reading the tokenizer")

@@ -1,19 +1,19 @@
 """Prometheus metrics with the vLLM-compatible names pinned in docs/CONTRACTS.md.
 
 Request-level histograms and token counters are observed by the server as outputs stream; engine gauges
-(running/waiting requests, KV usage, prefix-cache counters) are read from ``engine.stats()`` at scrape
-time by a custom collector, so they are never stale. Each app gets its own registry.
+(running/waiting requests, KV usage, prefix-cache counters) are read from the engine's ``EngineStats`` at
+scrape time by a custom collector, so they are never stale. Each app gets its own registry.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ..engine.api import EngineStats
 
 STARTUP_PHASES = ("loading_weights", "compiling", "warming_up", "ready", "failed")
 FINISHED_REASONS = ("stop", "length", "abort")
@@ -23,77 +23,50 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0)  # fmt: skip
 
-# engine.stats() keys -> gauge names. Several spellings are accepted so the engine can evolve.
-_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
-    "vllm:num_requests_running": (("num_requests_running", "running"), "Requests in the running batch."),
-    "vllm:num_requests_waiting": (
-        ("num_requests_waiting", "waiting"),
-        "Requests queued by admission control.",
-    ),
-    "vllm:kv_cache_usage_perc": (
-        ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
-        "Fraction (0..1) of KV-cache blocks in use.",
-    ),
+# Gauge and counter names -> the ``EngineStats`` field each reads, and its help text.
+_GAUGES: dict[str, tuple[str, str]] = {
+    "vllm:num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "vllm:num_requests_waiting": ("num_requests_waiting", "Requests queued by admission control."),
+    "vllm:kv_cache_usage_perc": ("kv_cache_usage", "Fraction (0..1) of KV-cache blocks in use."),
     "vllm:gpu_cache_usage_perc": (
-        ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
+        "kv_cache_usage",
         "Fraction (0..1) of KV-cache blocks in use (vLLM's older name).",
     ),
     "sovereign:prompt_tokens_waiting": (
-        ("prompt_tokens_waiting",),
+        "prompt_tokens_waiting",
         "Prompt tokens not yet prefilled (queued and partially prefilled).",
     ),
 }
-_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
+_COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:prefix_cache_queries": (
-        ("prefix_cache_queries", "prefix_cache_queries_total"),
+        "prefix_cache_queries",
         "Prompt tokens looked up in the radix prefix cache.",
     ),
-    "vllm:prefix_cache_hits": (
-        ("prefix_cache_hits", "prefix_cache_hits_total"),
-        "Prompt tokens found in the radix prefix cache.",
-    ),
+    "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the radix prefix cache."),
 }
 
 
-def _pick(stats: Mapping[str, Any], keys: tuple[str, ...]) -> float:
-    for k in keys:
-        v = stats.get(k)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            return float(v)
-    return 0.0
-
-
-def _as_mapping(stats: Any) -> Mapping[str, Any]:
-    # The engine returns a dataclass snapshot; fakes and older engines may return a dict.
-    if stats is None:
-        return {}
-    if isinstance(stats, Mapping):
-        return stats
-    if dataclasses.is_dataclass(stats):
-        return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    return vars(stats)
-
-
 class _EngineCollector(Collector):
-    def __init__(
-        self, model_name: str, stats: Callable[[], Mapping[str, Any] | None], phase: Callable[[], str]
-    ):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None], phase: Callable[[], str]):
         self._model = model_name
         self._stats = stats
         self._phase = phase
 
     def collect(self) -> Iterator[Metric]:
-        stats = _as_mapping(self._stats())
-        for name, (keys, doc) in _GAUGES.items():
+        stats = self._stats()  # None until the model is loaded: every engine figure reads 0
+
+        def value(field: str) -> float:
+            return 0.0 if stats is None else float(getattr(stats, field))
+
+        for name, (field, doc) in _GAUGES.items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self._model], _pick(stats, keys))
+            g.add_metric([self._model], value(field))
             yield g
-        for name, (keys, doc) in _COUNTERS.items():
+        for name, (field, doc) in _COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self._model], _pick(stats, keys))
+            c.add_metric([self._model], value(field))
             yield c
-        queries = _pick(stats, _COUNTERS["vllm:prefix_cache_queries"][0])
-        hits = _pick(stats, _COUNTERS["vllm:prefix_cache_hits"][0])
+        queries, hits = value("prefix_cache_queries"), value("prefix_cache_hits")
         rate = GaugeMetricFamily(
             "sovereign:prefix_cache_hit_rate",
             "Prefix-cache hits / queries since start.",
@@ -114,7 +87,7 @@ class ServerMetrics:
     def __init__(
         self,
         model_name: str,
-        stats: Callable[[], Any],
+        stats: Callable[[], EngineStats | None],
         phase: Callable[[], str],
     ) -> None:
         self.model_name = model_name

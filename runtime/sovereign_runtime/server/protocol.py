@@ -1,15 +1,21 @@
 """OpenAI request validation and error shapes: pure functions from a JSON body to typed requests.
 
-Every user error becomes an ``APIError`` naming the offending parameter, so the HTTP layer only maps it to
+This module owns the OpenAI wire format (field names and JSON types, stop strings, what is unsupported);
+the bounds of every sampling parameter belong to ``SamplingParams``, whose ``InvalidRequest`` names the
+engine-side field, mapped here to the OpenAI parameter the client sent. Every user error becomes an
+``APIError`` naming that parameter, so the HTTP layer only maps it to
 ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
+from ..engine.api import InvalidRequest
+from ..engine.sampling import SamplingParams
+
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -39,7 +45,7 @@ class APIError(Exception):
 
 @dataclass
 class SamplingRequest:
-    """Sampling fields shared by both endpoints, already range-checked."""
+    """Sampling fields shared by both endpoints, JSON types checked; ``SamplingParams`` checks bounds."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -48,10 +54,12 @@ class SamplingRequest:
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: Any = field(default_factory=list)  # SamplingParams checks the list
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: chosen token plus n alternatives
     min_tokens: int = 0
+    # Engine field -> the OpenAI parameter the client sent for it, where the names differ.
+    param_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,21 +89,16 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _get_number(
-    body: dict[str, Any], name: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
+def _get_number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(name, f"'{name}' must be a number, got {_type_name(value)}", "invalid_type")
-    if value != value or (value <= lo if lo_open else value < lo) or value > hi:
-        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise _bad(name, f"'{name}' must be in {interval}, got {value}")
     return float(value)
 
 
-def _get_int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _get_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -104,10 +107,6 @@ def _get_int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | N
             value = int(value)
         else:
             raise _bad(name, f"'{name}' must be an integer, got {_type_name(value)}", "invalid_type")
-    if lo is not None and value < lo:
-        raise _bad(name, f"'{name}' must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise _bad(name, f"'{name}' must be <= {hi}, got {value}")
     return value
 
 
@@ -120,26 +119,20 @@ def _get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
-def _parse_sampling(body: dict[str, Any], max_model_len: int, chat: bool) -> SamplingRequest:
+def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     s = SamplingRequest()
-    s.temperature = _get_number(body, "temperature", 1.0, 0.0, 2.0)
-    s.top_p = _get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _get_int(body, "top_k", lo=-1)
-    s.top_k = 0 if top_k in (None, -1) else top_k
+    s.temperature = _get_number(body, "temperature", 1.0)
+    s.top_p = _get_number(body, "top_p", 1.0)
+    top_k = _get_int(body, "top_k")
+    s.top_k = 0 if top_k is None else top_k
     for name in ("max_completion_tokens", "max_tokens"):
         value = _get_int(body, name)
-        if value is None:
-            continue
-        if value < 1:
-            raise _bad(name, f"'{name}' must be at least 1, got {value}")
-        if value > max_model_len:
-            raise _bad(
-                name, f"'{name}' is {value}, more than this model's context length of {max_model_len} tokens"
-            )
-        if s.max_tokens is None:
+        if value is not None and s.max_tokens is None:
             s.max_tokens, s.max_tokens_param = value, name
-    s.seed = _get_int(body, "seed", lo=0, hi=2**63 - 1)
-    s.min_tokens = _get_int(body, "min_tokens", lo=0) or 0
+    s.param_names["max_tokens"] = s.max_tokens_param
+    s.param_names["prompt"] = "messages" if chat else "prompt"
+    s.seed = _get_int(body, "seed")
+    s.min_tokens = _get_int(body, "min_tokens") or 0
     stop = body.get("stop")
     if stop is None:
         s.stop = []
@@ -153,29 +146,24 @@ def _parse_sampling(body: dict[str, Any], max_model_len: int, chat: bool) -> Sam
         raise _bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise _bad(
-                "stop_token_ids", "'stop_token_ids' must be a list of non-negative integers", "invalid_type"
-            )
-        s.stop_token_ids = list(ids)
+        s.stop_token_ids = ids
     s.ignore_eos = _get_bool(body, "ignore_eos")
     if chat:
         if _get_bool(body, "logprobs"):
-            s.logprobs = _get_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS) or 0
+            s.logprobs = _get_int(body, "top_logprobs") or 0
+            s.param_names["logprobs"] = "top_logprobs"
         elif body.get("top_logprobs") not in (None, 0):
             raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     else:
-        s.logprobs = _get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
-    n = _get_int(body, "n", lo=1)
+        s.logprobs = _get_int(body, "logprobs")
+    n = _get_int(body, "n")
     if n is not None and n != 1:
         raise _bad("n", f"only 'n': 1 is supported, got {n}", "unsupported_value")
-    best_of = _get_int(body, "best_of", lo=1)
+    best_of = _get_int(body, "best_of")
     if best_of is not None and best_of != 1:
         raise _bad("best_of", "only 'best_of': 1 is supported", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
-        if _get_number(body, name, 0.0, -2.0, 2.0) != 0.0:
+        if _get_number(body, name, 0.0) != 0.0:
             raise _bad(name, f"'{name}' is not supported; send 0 or leave it out", "unsupported_value")
     return s
 
@@ -221,7 +209,7 @@ def _message_text(content: Any, index: int) -> str | None:
     )
 
 
-def parse_chat_request(body: Any, max_model_len: int) -> ChatRequest:
+def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_type")
     messages = body.get("messages")
@@ -247,7 +235,7 @@ def parse_chat_request(body: Any, max_model_len: int) -> ChatRequest:
     return ChatRequest(
         model=_parse_model(body),
         messages=clean,
-        sampling=_parse_sampling(body, max_model_len, chat=True),
+        sampling=_parse_sampling(body, chat=True),
         stream=stream,
         include_usage=include_usage,
         add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
@@ -262,7 +250,7 @@ def _is_token_list(value: Any) -> bool:
     )
 
 
-def parse_completion_request(body: Any, max_model_len: int, vocab_size: int) -> CompletionRequest:
+def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_type")
     if "prompt" not in body or body["prompt"] is None:
@@ -294,20 +282,20 @@ def parse_completion_request(body: Any, max_model_len: int, vocab_size: int) -> 
     return CompletionRequest(
         model=_parse_model(body),
         prompts=prompts,
-        sampling=_parse_sampling(body, max_model_len, chat=False),
+        sampling=_parse_sampling(body, chat=False),
         stream=stream,
         include_usage=include_usage,
     )
 
 
 def resolve_max_tokens(
-    sampling: SamplingRequest, prompt_len: int, max_model_len: int, default: int | None, param: str = "prompt"
+    sampling: SamplingRequest, prompt_len: int, max_model_len: int, default: int | None
 ) -> int:
     """The request's token budget; 400 naming the parameter when prompt plus output exceed the context."""
     if prompt_len >= max_model_len:
         raise APIError(
             f"the prompt is {prompt_len} tokens, but this model's context length is {max_model_len} tokens",
-            param=param,
+            param=sampling.param_names["prompt"],
             code="context_length_exceeded",
         )
     if sampling.max_tokens is None:
@@ -321,3 +309,31 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     return sampling.max_tokens
+
+
+def sampling_params(sampling: SamplingRequest, max_tokens: int) -> SamplingParams:
+    """The engine's parameters for one prompt; a bound ``SamplingParams`` refuses becomes a 400 naming the
+    parameter the client sent."""
+    try:
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=max_tokens,
+            seed=sampling.seed,
+            stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=sampling.logprobs,
+            # A floor above the budget asks for the whole budget.
+            min_tokens=min(sampling.min_tokens, max_tokens),
+        )
+    except InvalidRequest as exc:
+        raise request_error(exc, sampling.param_names) from None
+
+
+def request_error(exc: InvalidRequest, param_names: Mapping[str, str]) -> APIError:
+    """The OpenAI error for a request the engine refused: its field renamed to the client's parameter."""
+    if exc.param is None:
+        return APIError(exc.rule, code="invalid_value")
+    param = param_names.get(exc.param, exc.param)
+    return APIError(f"'{param}' {exc.rule}", param=param, code="invalid_value")

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..engine.api import EngineStats, RequestOutput
+from ..engine.sampling import SamplingParams
 from ..tokenizer import Tokenizer
 
 log = logging.getLogger("sovereign_runtime.server")
@@ -18,14 +20,15 @@ ProgressFn = Callable[[str, float, str], None]
 
 
 class EngineLike(Protocol):
-    """What the server needs from ``sovereign_runtime.engine.AsyncEngine`` (docs/CONTRACTS.md)."""
+    """What the server needs from ``engine.async_engine.AsyncEngine`` (docs/CONTRACTS.md), in the engine's
+    own torch-free types: closing the generator early aborts the request."""
 
     def generate(
-        self, prompt_token_ids: Sequence[int], params: Any, request_id: str | None = None
-    ) -> AsyncIterator[Any]:
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         raise NotImplementedError
 
-    def stats(self) -> Mapping[str, Any]:
+    def stats(self) -> EngineStats:
         raise NotImplementedError
 
 
