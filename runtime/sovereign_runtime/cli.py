@@ -1,7 +1,9 @@
 """`sovereign-runtime`: `serve` (the OpenAI server), `router` (the PD-aware router), `bench` (later).
 
 Each subcommand registers its flags with ``add_<name>_arguments`` and runs with ``run_<name>``; a new
-subcommand is one entry in ``_SUBCOMMANDS``. Usage errors print one line and exit 2.
+subcommand is one entry in ``_SUBCOMMANDS``. Usage errors print one line and exit 2. ``serve`` wires the
+runtime's assembly (``assembly.py``: model, engine, tensor parallelism) to the HTTP server and the
+prefill/decode role (``disagg``).
 """
 
 from __future__ import annotations
@@ -10,15 +12,21 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-ROLES = ("unified", "prefill", "decode")
+from . import builtin
+from .assembly import DTYPES, EngineOptions, make_loader, serve_worker, tensor_parallel_problem_for
+from .disagg.service import ROLES, DisaggConfig, DisaggService
+from .engine.tensor_parallel import spawn_workers
+from .router import cli as router_cli
+from .server import ServerConfig, create_app, serve
+
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BUILTIN_PREFIX = "builtin:"
+BUILTIN_PREFIX = builtin.PREFIX
 
 
 class UsageError(Exception):
@@ -91,7 +99,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-cache-gib", type=_positive_float, metavar="GIB", help="KV-cache size in GiB")
     kv.add_argument("--num-kv-blocks", type=_positive_int, metavar="N", help="KV-cache size in blocks")
     p.add_argument("--device", choices=DEVICES, default="auto")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto")
     p.add_argument(
         "--api-key-file", metavar="PATH", help="file holding the API key (else $SOVEREIGN_API_KEY)"
     )
@@ -126,21 +134,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def resolve_model(spec: str) -> Path:
     """``builtin:NAME`` through ``sovereign_runtime.builtin``; otherwise a checkpoint directory."""
     if spec.startswith(BUILTIN_PREFIX):
-        name = spec[len(BUILTIN_PREFIX) :]
         try:
-            from . import builtin
-        except ImportError as exc:
-            raise UsageError(f"--model {spec}: built-in models are not available ({exc})") from None
-        resolver = getattr(builtin, "resolve_builtin", None) or getattr(builtin, "resolve", None)
-        if resolver is not None:
-            try:
-                return Path(resolver(name))
-            except (KeyError, FileNotFoundError, ValueError) as exc:
-                raise UsageError(f"--model {spec}: {exc}") from None
-        path = Path(builtin.__file__).parent / name
-        if not (path / "config.json").is_file():
-            raise UsageError(f"--model {spec}: no built-in model named {name!r}")
-        return path
+            return builtin.resolve_builtin(spec)
+        except (FileNotFoundError, ValueError) as exc:
+            raise UsageError(f"--model {spec}: {exc}") from None
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {spec}: not a checkpoint directory (no config.json)")
@@ -164,8 +161,6 @@ def read_api_key(api_key_file: str | None) -> str | None:
 def kv_advertise_host(flag: str | None, host: str) -> str:
     """The address a prefill instance dials: the flag, the pod IP (Kubernetes downward API), the bind
     address, or this host's name as a last resort."""
-    import socket
-
     if flag:
         return flag
     if os.environ.get("POD_IP"):
@@ -180,22 +175,9 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
 
 def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:
     """Refuse a --tensor-parallel-size this model or machine cannot run, before starting anything."""
-    size = args.tensor_parallel_size
-    from .model.config import ModelConfig
-    from .model.parallel import tensor_parallel_problem
-
-    problem = tensor_parallel_problem(ModelConfig.from_pretrained(model_path), size)
+    problem = tensor_parallel_problem_for(model_path, args.tensor_parallel_size, args.device)
     if problem:
         raise UsageError(f"serve: {problem}")
-    if args.device in ("auto", "cuda"):
-        import torch
-
-        if torch.cuda.is_available() or args.device == "cuda":
-            visible = torch.cuda.device_count()
-            if size > visible:
-                raise UsageError(
-                    f"serve: --tensor-parallel-size {size} needs {size} CUDA devices; {visible} visible"
-                )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -212,10 +194,6 @@ def run_serve(args: argparse.Namespace) -> int:
             "--speculative-algorithm %s is not implemented yet; decoding one token per step",
             args.speculative_algorithm,
         )
-
-    from .server import ServerConfig, create_app, serve
-    from .server.loading import EngineOptions, make_loader
-
     name = args.served_model_name or (
         args.model if args.model.startswith(BUILTIN_PREFIX) else model_path.name
     )
@@ -235,11 +213,9 @@ def run_serve(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         model_root=args.model,
     )
-    from .disagg.service import DisaggConfig, DisaggService
-
     if args.role != "unified" and args.kv_transport == "rdma":
         try:
-            import nixl  # noqa: F401
+            import nixl  # noqa: F401  (the optional `rdma` extra: checked only when asked for)
         except ImportError as exc:
             raise UsageError(f"serve: --kv-transport rdma needs the NIXL library ({exc})") from None
     disagg = DisaggService(
@@ -259,8 +235,6 @@ def run_serve(args: argparse.Namespace) -> int:
         disagg.install(app)
         return asyncio.run(serve(app, args.host, args.port))
 
-    from .engine.tensor_parallel import spawn_workers
-
     # Spawned before loading, so every rank reads its shard at the same time.
     options.tensor_parallel = group = spawn_workers(args.serve_argv, args.tensor_parallel_size)
     group.watch()
@@ -273,38 +247,23 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_tensor_parallel_worker(args: argparse.Namespace, model_path: Path) -> int:
-    import torch
-
-    from .engine.tensor_parallel import serve_worker
-    from .server.loading import resolve_device
-
     if args.tp_rendezvous is None or not 0 < args.tp_rank < args.tensor_parallel_size:
         raise UsageError("serve: --tp-rank and --tp-rendezvous are set by rank 0 for its workers")
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     return serve_worker(
         model_path,
-        resolve_device(args.device),
-        dtype,
+        args.device,
+        args.dtype,
         args.tp_rank,
         args.tensor_parallel_size,
         args.tp_rendezvous,
     )
 
 
-def add_router_arguments(p: argparse.ArgumentParser) -> None:
-    from .router.cli import add_router_arguments as add
-
-    add(p)
-
-
 def run_router(args: argparse.Namespace) -> int:
-    from .router.cli import run_router as run
-    from .router.cli import validate_router_args
-
-    problem = validate_router_args(args)
+    problem = router_cli.validate_router_args(args)
     if problem:
         raise UsageError(problem)
-    run(args)
+    router_cli.run_router(args)
     return 0
 
 
@@ -313,7 +272,7 @@ _SUBCOMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
     "serve": ("run the OpenAI-compatible server for one model", add_serve_arguments, run_serve),
-    "router": ("run the PD-aware router in front of workers", add_router_arguments, run_router),
+    "router": ("run the PD-aware router in front of workers", router_cli.add_router_arguments, run_router),
 }
 
 
@@ -321,12 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sovereign-runtime", description="Sovereign MLA inference runtime")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(_SUBCOMMANDS) + "}")
     for name, (help_text, add, _run) in _SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            add(sp)
-        except ImportError:
-            # A subcommand whose module is not installed stays listed but says so when run.
-            sp.set_defaults(_missing=name)
+        add(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
@@ -335,8 +289,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
         args.serve_argv = argv  # what tensor-parallel workers are started with
-        if getattr(args, "_missing", None):
-            raise UsageError(f"sovereign-runtime {args._missing}: not available in this installation")
         return _SUBCOMMANDS[args.command][2](args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -10,10 +10,10 @@ from typing import Any
 
 from aiohttp import web
 from server_support import LiveServer
+from sovereign_runtime.assembly import EngineOptions, load_runtime
 from sovereign_runtime.disagg.service import DisaggConfig, DisaggService
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
-from sovereign_runtime.server.loading import EngineOptions, load_runtime
 
 MODEL = "tiny"
 

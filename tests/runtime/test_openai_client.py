@@ -9,9 +9,9 @@ from pathlib import Path
 import openai
 import pytest
 from server_support import LiveServer, byte_tokenizer_checkpoint
+from sovereign_runtime.assembly import EngineOptions, make_loader
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
-from sovereign_runtime.server.loading import EngineOptions, make_loader
 
 MODEL = "tiny-openai"
 KEY = "sk-sovereign-test"

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from server_support import LiveServer
+from sovereign_runtime.assembly import EngineOptions, make_loader
 from sovereign_runtime.builtin import resolve_builtin
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
-from sovereign_runtime.server.loading import EngineOptions, make_loader
 
 MODEL = "builtin:sovereign-tiny"
 QUESTIONS = 200

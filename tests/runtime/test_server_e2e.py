@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 from server_support import LiveServer, byte_tokenizer_checkpoint
+from sovereign_runtime.assembly import EngineOptions, make_loader
 from sovereign_runtime.model import greedy_generate, load_model
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
-from sovereign_runtime.server.loading import EngineOptions, make_loader
 
 MODEL = "tiny-e2e"
 MAX_LEN = 256

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jinja2
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -81,8 +82,6 @@ def save_tokenizer_files(out: Path, model_max_length: int) -> None:
 
 def render_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """Render the chat template with jinja2 exactly as HF does (used by training; no transformers needed)."""
-    import jinja2
-
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     return env.from_string(CHAT_TEMPLATE).render(
         messages=messages, bos_token=BOS, eos_token=EOS, add_generation_prompt=add_generation_prompt

@@ -45,7 +45,9 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.remote_prefill import RemoteFirstToken, RemoteSlot
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Sequence
+from ..server.app import METRICS
 from .kv_rows import read_layer_rows, write_rows
+from .nixl_transport import NixlKVReceiver, NixlKVSender
 from .transport import KVLayout, KVReceiver, KVSender, KVStream, KVTransferError, TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger("sovereign_runtime.disagg")
@@ -239,8 +241,6 @@ class DisaggService:
 
     def install(self, app: web.Application) -> None:
         """Routes, middleware, metrics and transport lifecycle; call before the app starts."""
-        from ..server.app import METRICS
-
         self.metrics = _Metrics(app[METRICS].registry, self.model_name, self.config.role)
         app.router.add_get(HEALTH_PATH, self.health_handler)
         if self.config.role == "prefill":
@@ -254,8 +254,6 @@ class DisaggService:
         cfg = self.config
         if cfg.role == "decode":
             if cfg.transport == "rdma":
-                from .nixl_transport import NixlKVReceiver
-
                 self.receiver = NixlKVReceiver()
             else:
                 self.receiver = TcpKVReceiver(cfg.kv_host, cfg.kv_port, cfg.advertise_host)
@@ -263,8 +261,6 @@ class DisaggService:
             log.info("KV receiver (%s) listening on %s", cfg.transport, self.address)
         elif cfg.role == "prefill":
             if cfg.transport == "rdma":
-                from .nixl_transport import NixlKVSender
-
                 self.sender = NixlKVSender(transfer_timeout_s=cfg.transfer_timeout_s)
             else:
                 self.sender = TcpKVSender()

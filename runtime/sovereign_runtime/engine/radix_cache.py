@@ -181,6 +181,11 @@ class RadixCache:
             yield n
             stack.extend(n.children.values())
 
+    def cached_pages(self) -> Iterator[tuple[list[int], bool]]:
+        """Each node's blocks and whether a sequence holds it locked (for reference-count checks)."""
+        for n in self._nodes():
+            yield n.blocks, n.lock_ref > 0
+
     def check(self) -> None:
         """Invariants: counters match the tree, locks are monotone up the path, keys are page runs."""
         cached = evictable = 0

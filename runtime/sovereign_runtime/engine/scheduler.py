@@ -378,11 +378,11 @@ class Scheduler:
             for b in seq.block_table:
                 expected[b] += 1
         if self.cache is not None:
-            for node in self.cache._nodes():
-                for b in node.blocks:
+            for blocks, locked in self.cache.cached_pages():
+                for b in blocks:
                     expected[b] += 1
-                if node.lock_ref == 0:
-                    assert all(self.pool.ref_count(b) == 1 for b in node.blocks), "unlocked page in use"
+                if not locked:
+                    assert all(self.pool.ref_count(b) == 1 for b in blocks), "unlocked page in use"
         for b in range(self.pool.num_blocks):
             assert self.pool.ref_count(b) == expected[b], (
                 f"block {b}: refs {self.pool.ref_count(b)} != {expected[b]}"

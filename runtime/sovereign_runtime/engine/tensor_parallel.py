@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -319,25 +318,3 @@ def worker_device(device: str, rank: int) -> torch.device:
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def serve_worker(
-    model_path: Path, device: str, dtype: torch.dtype | None, rank: int, size: int, rendezvous_file: str
-) -> int:
-    """A worker rank's whole life: join the group, load this rank's shard, follow rank 0 until it stops."""
-    from ..model import load_model
-    from ..model.parallel import TensorParallel
-
-    exit_when_parent_dies()
-    # A terminal's Ctrl-C or a signal to the whole process group reaches the workers too: they leave when
-    # rank 0 tells them (after its drain) or when it is gone, never on their own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch_device = worker_device(device, rank)
-    init_process_group(rank, size, rendezvous_file, torch_device)
-    try:
-        model, _ = load_model(model_path, torch_device, dtype, tensor_parallel=TensorParallel(rank, size))
-        run_worker(model, torch_device)
-    finally:
-        destroy_process_group()
-    return 0

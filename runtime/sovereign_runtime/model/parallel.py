@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .config import ModelConfig
 
@@ -90,7 +91,5 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
 def reduce_partial_sums(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Sum a row-parallel layer's partial outputs over the ranks (in place); a no-op without TP."""
     if tp_size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(x)
     return x
