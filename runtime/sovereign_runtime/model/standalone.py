@@ -3,6 +3,12 @@
 ``PagedRunner`` owns a KV cache and a trivial block allocator, builds ``AttentionMetadata`` for a list of
 (sequence, new tokens) pairs and runs one step. It is deliberately simple; the engine's model runner is the
 production path.
+
+Why it ships in the package although serving never imports it: it is the independent reference the engine
+is held against (the server's greedy output equals ``greedy_generate``; tensor-parallel shards and the HF
+parity tests run through it), the benchmarks that time the model alone (``bench/mla_prefill_forms.py``,
+``bench/kv_bytes_per_token.py``) drive it, and a user can script the model with it. Tests and benchmarks
+therefore share this one copy; it needs nothing the model package does not already need.
 """
 
 from __future__ import annotations

@@ -15,10 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ..engine.api import TokenLogprob
 from ..engine.sampling import SamplingParams
-from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser, Tokenizer
-from .generation import Step, run_request
+from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
+from .generation import Step, collect, run_request
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -26,6 +25,16 @@ from .protocol import (
     parse_completion_request,
     resolve_max_tokens,
     sampling_params,
+)
+from .responses import (
+    SSE_DONE,
+    Envelope,
+    chat_delta_choice,
+    chat_logprobs,
+    chat_message_choice,
+    completion_choice,
+    sse,
+    usage,
 )
 from .state import LoadedRuntime, Loader, ServerState
 
@@ -199,19 +208,6 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
-
-
 class _Api:
     def __init__(self, app: web.Application) -> None:
         self.app = app
@@ -325,29 +321,12 @@ class _Api:
     async def _chat_full(
         self, rt: LoadedRuntime, steps: AsyncIterator[Step], rid: str, started_thinking: bool
     ) -> web.Response:
-        text, lps, last = [], [], None
-        async for step in steps:
-            text.append(step.text)
-            lps.extend(step.logprobs)
-            last = step
-        assert last is not None
-        reasoning, content = ReasoningParser.split("".join(text), started_thinking)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
-            "logprobs": self._chat_logprobs(rt.tokenizer, lps) if lps else None,
-            "finish_reason": last.finish_reason,
-        }
-        return _json(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.config.served_model_name,
-                "choices": [choice],
-                "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
-            }
-        )
+        outcome = await collect(steps)
+        reasoning, content = ReasoningParser.split(outcome.text, started_thinking)
+        logprobs = chat_logprobs(rt.tokenizer, outcome.logprobs)
+        choice = chat_message_choice(content, reasoning, logprobs, outcome.last.finish_reason)
+        envelope = self._envelope(rid, "chat.completion")
+        return _json(envelope.body([choice], usage=usage([outcome.last])))
 
     async def _chat_stream(
         self,
@@ -359,20 +338,12 @@ class _Api:
         started_thinking: bool,
     ) -> web.StreamResponse:
         resp = await self._open_stream(request)
-        created = int(time.time())
+        envelope = self._envelope(rid, "chat.completion.chunk")
         parser = ReasoningParser(started_thinking)
+        no_usage_yet = {"usage": None} if include_usage else {}
 
         def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-            return _sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": self.config.served_model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                    **({"usage": None} if include_usage else {}),
-                }
-            )
+            return sse(envelope.body([chat_delta_choice(delta, finish, logprobs)], **no_usage_yet))
 
         await resp.write(chunk({"role": "assistant", "content": ""}))
         last: Step | None = None
@@ -383,7 +354,7 @@ class _Api:
                 if step.finish_reason is not None:
                     r2, c2 = parser.flush()
                     reasoning, content = reasoning + r2, content + c2
-                logprobs = self._chat_logprobs(rt.tokenizer, step.logprobs) if step.logprobs else None
+                logprobs = chat_logprobs(rt.tokenizer, step.logprobs)
                 if reasoning:
                     await resp.write(chunk({"reasoning_content": reasoning}))
                 if content or logprobs:
@@ -394,19 +365,8 @@ class _Api:
             await self._stream_error(resp, exc)
             return resp
         if include_usage and last is not None:
-            await resp.write(
-                _sse(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": self.config.served_model_name,
-                        "choices": [],
-                        "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
-                    }
-                )
-            )
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(sse(envelope.body([], usage=usage([last]))))
+        await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp
 
@@ -420,8 +380,8 @@ class _Api:
             if isinstance(exc, APIError)
             else APIError("internal server error", status=500, type="internal_error")
         )
-        await resp.write(_sse(err.body()))
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(sse(err.body()))
+        await resp.write(SSE_DONE)
         await resp.write_eof()
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
@@ -435,18 +395,8 @@ class _Api:
         await resp.prepare(request)
         return resp
 
-    @staticmethod
-    def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def _chat_logprobs(self, tokenizer: Tokenizer, lps: list[TokenLogprob]) -> Any:
-        content = []
-        for lp in lps:
-            entry = self._token_entry(tokenizer, lp.token_id, lp.logprob)
-            entry["top_logprobs"] = [self._token_entry(tokenizer, t, v) for t, v in lp.top]
-            content.append(entry)
-        return {"content": content}
+    def _envelope(self, rid: str, kind: str) -> Envelope:
+        return Envelope(rid, kind, int(time.time()), self.config.served_model_name)
 
     # ---- /v1/completions ---------------------------------------------------------------------------
 
@@ -489,61 +439,16 @@ class _Api:
         finally:
             self.state.request_finished()
 
-    def _completion_choice(
-        self, tokenizer: Tokenizer, index: int, text: str, lps: list[TokenLogprob], finish: str | None
-    ) -> dict[str, Any]:
-        logprobs = None
-        if lps:
-            tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-            for lp in lps:
-                tok = tokenizer.decode([lp.token_id])
-                tokens.append(tok)
-                token_lps.append(lp.logprob)
-                tops.append({tokenizer.decode([t]): v for t, v in lp.top})
-                offsets.append(offset)
-                offset += len(tok)
-            logprobs = {
-                "tokens": tokens,
-                "token_logprobs": token_lps,
-                "top_logprobs": tops,
-                "text_offset": offsets,
-            }
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
     async def _completion_full(
         self, rt: LoadedRuntime, streams: list[AsyncIterator[Step]], rid: str
     ) -> web.Response:
-        async def collect(stream: AsyncIterator[Step]) -> tuple[str, list[TokenLogprob], Step]:
-            text: list[str] = []
-            lps: list[TokenLogprob] = []
-            last = None
-            async for step in stream:
-                text.append(step.text)
-                lps.extend(step.logprobs)
-                last = step
-            assert last is not None
-            return "".join(text), lps, last
-
         results = await asyncio.gather(*(collect(s) for s in streams))
         choices = [
-            self._completion_choice(rt.tokenizer, i, text, lps, last.finish_reason)
-            for i, (text, lps, last) in enumerate(results)
+            completion_choice(rt.tokenizer, i, r.text, r.logprobs, r.last.finish_reason)
+            for i, r in enumerate(results)
         ]
-        usage = _usage(
-            sum(r[2].prompt_tokens for r in results),
-            sum(r[2].completion_tokens for r in results),
-            sum(r[2].cached_tokens for r in results),
-        )
-        return _json(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.config.served_model_name,
-                "choices": choices,
-                "usage": usage,
-            }
-        )
+        envelope = self._envelope(rid, "text_completion")
+        return _json(envelope.body(choices, usage=usage(r.last for r in results)))
 
     async def _completion_stream(
         self,
@@ -554,7 +459,8 @@ class _Api:
         rid: str,
     ) -> web.StreamResponse:
         resp = await self._open_stream(request)
-        created = int(time.time())
+        envelope = self._envelope(rid, "text_completion")
+        no_usage_yet = {"usage": None} if include_usage else {}
         queue: asyncio.Queue[tuple[int, Step | None]] = asyncio.Queue()
 
         async def pump(i: int, stream: AsyncIterator[Step]) -> None:
@@ -576,19 +482,8 @@ class _Api:
                 finals[i] = step
                 if not step.text and step.finish_reason is None and not step.logprobs:
                     continue
-                choice = self._completion_choice(
-                    rt.tokenizer, i, step.text, step.logprobs, step.finish_reason
-                )
-                body = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.config.served_model_name,
-                    "choices": [choice],
-                }
-                if include_usage:
-                    body["usage"] = None
-                await resp.write(_sse(body))
+                choice = completion_choice(rt.tokenizer, i, step.text, step.logprobs, step.finish_reason)
+                await resp.write(sse(envelope.body([choice], **no_usage_yet)))
             for t in tasks:
                 t.result()  # surface an engine error
         except Exception as exc:
@@ -599,23 +494,7 @@ class _Api:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if include_usage:
-            usage = _usage(
-                sum(s.prompt_tokens for s in finals.values()),
-                sum(s.completion_tokens for s in finals.values()),
-                sum(s.cached_tokens for s in finals.values()),
-            )
-            await resp.write(
-                _sse(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.config.served_model_name,
-                        "choices": [],
-                        "usage": usage,
-                    }
-                )
-            )
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(sse(envelope.body([], usage=usage(finals.values()))))
+        await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp

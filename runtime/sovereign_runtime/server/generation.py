@@ -27,6 +27,28 @@ class Step:
     cached_tokens: int = 0
 
 
+@dataclass
+class Outcome:
+    """A whole request's output, for an answer that is not streamed."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    last: Step  # the final step: finish reason and token counts
+
+
+async def collect(steps: AsyncIterator[Step]) -> Outcome:
+    text: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    last = None
+    async for step in steps:
+        text.append(step.text)
+        logprobs.extend(step.logprobs)
+        last = step
+    if last is None:
+        raise RuntimeError("the engine ended a request without a final output")
+    return Outcome("".join(text), logprobs, last)
+
+
 async def _user_errors(
     gen: AsyncIterator[RequestOutput], param_names: Mapping[str, str]
 ) -> AsyncIterator[RequestOutput]:
