@@ -67,6 +67,10 @@ def replica_overrides(status: Mapping[str, Any] | None) -> dict[str, int]:
     return overrides
 
 
+# Deployments whose children are being applied at once (see Reconciler._apply_slots).
+MAX_CONCURRENT_APPLIES = 8
+
+
 def backoff_seconds(retry: int) -> float:
     return float(min(300, 5 * 2 ** min(retry, 6)))
 
@@ -120,6 +124,7 @@ class Reconciler:
         clock: Callable[[], str] = now_rfc3339,
         report_problem: Callable[[Mapping[str, Any], Problem], None] | None = None,
         defaults: OperatorDefaults | None = None,
+        max_concurrent_applies: int = MAX_CONCURRENT_APPLIES,
     ) -> None:
         self.kube = kube
         self.defaults = defaults or OperatorDefaults()
@@ -128,6 +133,14 @@ class Reconciler:
         self.report_problem = report_problem or (lambda body, problem: None)
         self.outcomes: dict[tuple[str, str], Outcome] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # kopf runs one handler per object at once, so a burst of N new deployments would put N
+        # apply loops on the apiserver together; past a few the apiserver answers 504 and every
+        # loop retries with backoff. Bounded, a burst drains at the apiserver's own pace.
+        self._apply_slots = asyncio.Semaphore(max_concurrent_applies)
+        # Digest of each child as last applied: a retry after a partial failure (or a re-render
+        # that changes one child) sends only what differs. A forced reconcile sends everything.
+        self._applied: dict[tuple[str, str, str], str] = {}
+        self._refresh_waiting: set[tuple[str, str]] = set()
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -135,6 +148,9 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         self.outcomes.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
+        owned = f"{name}-"
+        for key in [k for k in self._applied if k[0] == namespace and k[2].startswith(owned)]:
+            del self._applied[key]
 
     async def reconcile(self, body: Mapping[str, Any], retry: int = 0, force: bool = False) -> Outcome:
         """Render and apply one LLMDeployment, then refresh its status.
@@ -202,13 +218,20 @@ class Reconciler:
 
         writing = "the children"
         try:
-            for child in rendered.children:
-                writing = _child_ref(child)
-                await self.kube.apply(child)
-                metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
-            writing = "children of an earlier mode (prune)"
-            keep = {(c["kind"], c["metadata"]["name"]) for c in rendered.children}
-            await self.kube.prune(ref.namespace, ref.name, ref.uid, keep)
+            async with self._apply_slots:
+                for child in rendered.children:
+                    writing = _child_ref(child)
+                    child_key = (ref.namespace, child["kind"], child["metadata"]["name"])
+                    child_digest = _digest([child])
+                    if not force and self._applied.get(child_key) == child_digest:
+                        continue
+                    self._applied.pop(child_key, None)
+                    await self.kube.apply(child)
+                    self._applied[child_key] = child_digest
+                    metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
+                writing = "children of an earlier mode (prune)"
+                keep = {(c["kind"], c["metadata"]["name"]) for c in rendered.children}
+                await self.kube.prune(ref.namespace, ref.name, ref.uid, keep)
         except Exception as error:
             problem, retryable = apply_problem(_api_error_code(error), writing, _api_error_message(error))
             if problem is not None:
@@ -231,10 +254,21 @@ class Reconciler:
         return RetryLater(f"{doing} failed ({error}); retrying", backoff_seconds(retry))
 
     async def refresh_status(self, namespace: str, name: str) -> bool:
-        """Recompute status from the children; True when a patch was written."""
+        """Recompute status from the children; True when a patch was written.
+
+        Coalesced: while one refresh of a deployment waits for its lock, later ones return at once,
+        because the waiting one has not read the children yet and will see what they changed. A
+        burst of pod events then costs one read of the children, not one per event."""
         key = (namespace, name)
-        async with self._lock(key):
-            return await self._refresh_locked(key)
+        if key in self._refresh_waiting:
+            return False
+        self._refresh_waiting.add(key)
+        try:
+            async with self._lock(key):
+                self._refresh_waiting.discard(key)
+                return await self._refresh_locked(key)
+        finally:
+            self._refresh_waiting.discard(key)
 
     async def _refresh_locked(self, key: tuple[str, str]) -> bool:
         # The autoscaler writes the same status; a write carries the resourceVersion it was

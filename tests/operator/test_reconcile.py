@@ -244,3 +244,75 @@ def test_status_conflicts_are_retried_with_a_fresh_read() -> None:
     kube.conflicts_left = 2
     asyncio.run(Reconciler(kube, clock=_clock).reconcile(kube.body))
     assert len(kube.status_writes) == 1 and kube.body["status"]["mode"] == "unified"
+
+
+def test_a_burst_of_deployments_applies_at_most_the_bound_at_once() -> None:
+    kubes = [FakeKube(body_for(TINY_SPEC)) for _ in range(12)]
+    for i, kube in enumerate(kubes):
+        kube.body["metadata"].update(name=f"m{i}", uid=f"uid-{i}")
+    in_flight, peak = 0, 0
+    shared = kubes[0]
+    original_apply = shared.apply
+
+    async def slow_apply(child: dict) -> None:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.001)
+        in_flight -= 1
+        await original_apply(child)
+
+    shared.apply = slow_apply  # type: ignore[method-assign]
+    reconciler = Reconciler(shared, clock=_clock, max_concurrent_applies=3)
+
+    async def scenario() -> None:
+        await asyncio.gather(*(reconciler.reconcile(k.body) for k in kubes))
+
+    asyncio.run(scenario())
+    assert peak == 3
+
+
+def test_a_retry_after_a_partial_failure_sends_only_what_was_not_applied() -> None:
+    kube = FakeKube(body_for(TINY_SPEC))
+    kube.fail_apply_of = ("PodDisruptionBudget", 500, "etcdserver: request timed out")
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        with pytest.raises(RetryLater):
+            await reconciler.reconcile(kube.body)
+        before = kube.applies
+        kube.fail_apply_of = None
+        await reconciler.reconcile(kube.body, retry=1)
+        resent = kube.applies - before
+        assert 0 < resent < len(kube.children), f"resent {resent} of {len(kube.children)} children"
+        # A forced reconcile (a child was deleted) sends every child again.
+        before = kube.applies
+        await reconciler.reconcile(kube.body, force=True)
+        assert kube.applies - before == len(kube.children)
+
+    asyncio.run(scenario())
+
+
+def test_refreshes_queued_behind_one_another_coalesce() -> None:
+    kube = FakeKube(body_for(TINY_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+    reads = 0
+    original = kube.observe
+
+    async def counting_observe(namespace: str, instance: str):  # type: ignore[no-untyped-def]
+        nonlocal reads
+        reads += 1
+        await asyncio.sleep(0.01)
+        return await original(namespace, instance)
+
+    kube.observe = counting_observe  # type: ignore[method-assign]
+    meta = kube.body["metadata"]
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        start = reads
+        # One refresh runs, one waits, the other 18 find it waiting.
+        await asyncio.gather(*(reconciler.refresh_status(meta["namespace"], meta["name"]) for _ in range(20)))
+        assert reads - start == 2
+
+    asyncio.run(scenario())
