@@ -8,15 +8,21 @@ import pytest
 from sovereign_operator.autoscale.metrics import aggregate_pool, parse_pod_metrics
 
 server_metrics = pytest.importorskip("sovereign_runtime.server.metrics")
+engine_api = pytest.importorskip("sovereign_runtime.engine.api")
 
 
 def test_runtime_metrics_feed_the_autoscaler() -> None:
-    stats: dict[str, Any] = {
-        "num_requests_running": 5,
-        "num_requests_waiting": 2,
-        "kv_cache_usage_perc": 0.625,
-        "prompt_tokens_waiting": 3000,
-    }
+    stats: Any = engine_api.EngineStats(
+        num_requests_running=5,
+        num_requests_waiting=2,
+        kv_cache_usage=0.625,
+        num_free_blocks=6,
+        num_cached_blocks=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        prompt_tokens_waiting=3000,
+        num_preemptions=0,
+    )
     m = server_metrics.ServerMetrics("tiny", lambda: stats, lambda: "ready")
     for _ in range(100):
         m.ttft.observe(0.03)  # a fast history
