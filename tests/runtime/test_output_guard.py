@@ -1,0 +1,182 @@
+"""The output guard's parts: the sampler's finite check, step isolation, fault specs, self-test comparisons."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from sovereign_runtime.engine.guard import NONFINITE_LOGITS, STEP_EXCEPTION, StepGuard
+from sovereign_runtime.engine.sampler import NONFINITE, Sampler
+from sovereign_runtime.engine.scheduler import ScheduledBatch
+from sovereign_runtime.engine.selftest import Decoded, compare_runs, weights_fingerprint
+from sovereign_runtime.model.faults import FaultSpec
+from toy_model import ToyPagedModel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_non_finite_row_is_reported_and_never_sampled(bad: float, temperature: float) -> None:
+    logits = _logits()
+    clean = Sampler()(logits.clone(), [SamplingParams(temperature=0)] * 4, [None] * 4)
+    logits[2, 7] = bad
+    params = [SamplingParams(temperature=temperature, seed=i, logprobs=1) for i in range(4)]
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    out = Sampler()(logits, params, gens)
+    assert out.token_ids[2] == NONFINITE and out.nonfinite_rows() == [2]
+    if temperature == 0.0:
+        assert [t for i, t in enumerate(out.token_ids) if i != 2] == [
+            t for i, t in enumerate(clean.token_ids) if i != 2
+        ]
+
+
+def test_the_check_can_be_switched_off_for_the_cost_benchmark() -> None:
+    logits = _logits()
+    logits[1] = float("nan")
+    out = Sampler(check_finite=False)(logits, [SamplingParams(temperature=0)] * 4, [None] * 4)
+    assert NONFINITE not in out.token_ids
+
+
+def _engine(**kw: object) -> LLMEngine:
+    cfg = EngineConfig(**{"block_size": 4, "num_kv_blocks": 128, "max_num_batched_tokens": 64, **kw})
+    return LLMEngine.from_model(ToyPagedModel(), cfg)
+
+
+def _guarded_run(eng: LLMEngine, guard: StepGuard, run) -> dict[str, list[int] | str]:  # noqa: ANN001
+    """Drive the scheduler with ``guard.execute`` until done; request id -> tokens, or the failure kind."""
+    result: dict[str, list[int] | str] = {rid: [] for rid in eng.scheduler.requests}
+    while eng.has_unfinished():
+        batch = eng.scheduler.schedule()
+        step = guard.execute(batch, run)
+        for seq, failure in step.failures.items():
+            eng.scheduler.abort(seq.request_id)
+            result[seq.request_id] = failure.kind
+        eng.scheduler.update(batch, step.out.token_ids)
+        for seq, tok in zip(
+            [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x], step.out.token_ids, strict=True
+        ):
+            if seq not in step.failures:
+                assert tok != NONFINITE
+                result[seq.request_id].append(tok)  # type: ignore[union-attr]
+    eng.scheduler.check()
+    return result
+
+
+PROMPTS = [[3, 4, 5], [9, 8, 7, 6, 5], [11, 12], [20, 21, 22, 23], [30], [40, 41, 42]]
+
+
+def test_an_exception_fails_only_the_sequences_whose_inputs_raise() -> None:
+    clean_eng = _engine()
+    clean = clean_eng.generate(PROMPTS, GREEDY)
+    eng = _engine()
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, GREEDY, request_id=f"r{i}")
+    calls = []
+
+    def run(batch: ScheduledBatch):  # noqa: ANN202
+        calls.append(len(batch))
+        # r3 poisons any batch it is in from its third step on (say, an input the kernel cannot take).
+        if any(s.request_id == "r3" and s.num_output_tokens >= 2 for s in batch.seqs):
+            raise OverflowError("value cannot be converted to type int64 without overflow")
+        return eng.runner.execute(batch)
+
+    guard = StepGuard(eng.runner.model)
+    result = _guarded_run(eng, guard, run)
+    assert result["r3"] == STEP_EXCEPTION
+    for i in (0, 1, 2, 4, 5):
+        assert result[f"r{i}"] == clean[i]
+    assert guard.stats.isolated_exceptions_total == 1
+    assert max(calls) == len(PROMPTS)  # the batch ran whole until r3 broke it
+
+
+def test_non_finite_logits_fail_that_sequence_and_the_rest_continue() -> None:
+    clean = _engine().generate(PROMPTS, GREEDY)
+    eng = _engine()
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, GREEDY, request_id=f"r{i}")
+    model = eng.runner.model
+    real = model.compute_logits
+
+    def poisoned_logits(hidden: torch.Tensor) -> torch.Tensor:
+        logits = real(hidden)
+        batch = current[0]
+        sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
+        for row, seq in enumerate(sampled):
+            if seq.request_id == "r1" and seq.num_output_tokens == 3:
+                logits[row, 5] = float("nan")
+        return logits
+
+    model.compute_logits = poisoned_logits  # type: ignore[method-assign]
+    current: list[ScheduledBatch] = []
+
+    def run(batch: ScheduledBatch):  # noqa: ANN202
+        current[:] = [batch]
+        return eng.runner.execute(batch)
+
+    guard = StepGuard(model)
+    result = _guarded_run(eng, guard, run)
+    assert result["r1"] == NONFINITE_LOGITS
+    assert guard.stats.nonfinite_logits_total == 1 and guard.stats.precision_fallbacks_total == 0
+    for i in (0, 2, 3, 4, 5):
+        assert result[f"r{i}"] == clean[i]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nan_layer=1", "go together"),
+        ("nan_p=0.5", "go together"),
+        ("nan_layer=1,nan_p=2", "nan_p must be in"),
+        ("batch_min_seqs=0", "at least 1"),
+        ("bogus=1", "unknown fault spec key 'bogus'"),
+        ("nan_layer", "key=value"),
+        ("nan_layer=x,nan_p=0.1", "not a valid value"),
+        ("", "injects nothing"),
+    ],
+)
+def test_fault_specs_are_validated(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FaultSpec.parse(text)
+
+
+def test_fault_spec_parses() -> None:
+    spec = FaultSpec.parse("nan_layer=1, nan_p=0.25, nan_fp8_only=1, batch_min_seqs=3, seed=4")
+    assert (spec.nan_layer, spec.nan_p, spec.nan_fp8_only, spec.batch_min_seqs, spec.seed) == (
+        1,
+        0.25,
+        True,
+        3,
+        4,
+    )
+
+
+def _decoded(tokens: list[int], tops: list[list[tuple[int, float]]]) -> Decoded:
+    return Decoded(tokens, tops)
+
+
+def test_compare_runs_accepts_equal_runs_and_near_ties_and_rejects_real_differences() -> None:
+    alone = _decoded([5, 6, 7], [[(5, -0.1), (9, -3.0)], [(6, -0.5), (2, -0.52)], [(7, -0.2), (1, -4.0)]])
+    assert compare_runs(alone, alone, 1e-3) is None
+    # Diverging at a near-tie (margin 0.02 <= tolerance 0.05): either token is right.
+    tie = _decoded([5, 2, 3], [[(5, -0.1), (9, -3.0)], [(2, -0.49), (6, -0.51)], [(3, -1.0), (1, -2.0)]])
+    assert compare_runs(alone, tie, 0.05) is None
+    assert "position 1" in (compare_runs(alone, tie, 1e-3) or "")
+    wrong = _decoded([9, 6, 7], [[(9, -0.1), (5, -3.0)], [(6, -0.5), (2, -0.52)], [(7, -0.2), (1, -4.0)]])
+    assert "token 9 batched vs 5 alone" in (compare_runs(alone, wrong, 0.05) or "")
+    drift = _decoded([5, 6, 7], [[(5, -0.3), (9, -3.0)], [(6, -0.5), (2, -0.52)], [(7, -0.2), (1, -4.0)]])
+    assert "logprob" in (compare_runs(alone, drift, 0.05) or "")
+
+
+def test_weights_fingerprint_sees_any_changed_element() -> None:
+    model = ToyPagedModel()
+    before = weights_fingerprint(model)
+    assert before == weights_fingerprint(model)
+    with torch.no_grad():
+        model.wo[1, 3, 2] = torch.nextafter(model.wo[1, 3, 2], torch.tensor(1e9))  # one ulp
+    after = weights_fingerprint(model)
+    assert [n for n in before if before[n] != after[n]] == ["wo"]
