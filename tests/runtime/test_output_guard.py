@@ -6,6 +6,7 @@ import pytest
 import torch
 from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from sovereign_runtime.engine.guard import NONFINITE_LOGITS, STEP_EXCEPTION, StepGuard
+from sovereign_runtime.engine.repetition import RepetitionDetector, check_window
 from sovereign_runtime.engine.sampler import NONFINITE, Sampler
 from sovereign_runtime.engine.scheduler import ScheduledBatch
 from sovereign_runtime.engine.selftest import Decoded, compare_runs, weights_fingerprint
@@ -47,7 +48,7 @@ def _engine(**kw: object) -> LLMEngine:
     return LLMEngine.from_model(ToyPagedModel(), cfg)
 
 
-def _guarded_run(eng: LLMEngine, guard: StepGuard, run) -> dict[str, list[int] | str]:  # noqa: ANN001
+def _guarded_run(eng: LLMEngine, guard: StepGuard, run) -> dict[str, list[int] | str]:
     """Drive the scheduler with ``guard.execute`` until done; request id -> tokens, or the failure kind."""
     result: dict[str, list[int] | str] = {rid: [] for rid in eng.scheduler.requests}
     while eng.has_unfinished():
@@ -78,7 +79,7 @@ def test_an_exception_fails_only_the_sequences_whose_inputs_raise() -> None:
         eng.add_request(p, GREEDY, request_id=f"r{i}")
     calls = []
 
-    def run(batch: ScheduledBatch):  # noqa: ANN202
+    def run(batch: ScheduledBatch):
         calls.append(len(batch))
         # r3 poisons any batch it is in from its third step on (say, an input the kernel cannot take).
         if any(s.request_id == "r3" and s.num_output_tokens >= 2 for s in batch.seqs):
@@ -114,7 +115,7 @@ def test_non_finite_logits_fail_that_sequence_and_the_rest_continue() -> None:
     model.compute_logits = poisoned_logits  # type: ignore[method-assign]
     current: list[ScheduledBatch] = []
 
-    def run(batch: ScheduledBatch):  # noqa: ANN202
+    def run(batch: ScheduledBatch):
         current[:] = [batch]
         return eng.runner.execute(batch)
 
@@ -180,3 +181,25 @@ def test_weights_fingerprint_sees_any_changed_element() -> None:
         model.wo[1, 3, 2] = torch.nextafter(model.wo[1, 3, 2], torch.tensor(1e9))  # one ulp
     after = weights_fingerprint(model)
     assert [n for n in before if before[n] != after[n]] == ["wo"]
+
+
+def _first_alarm(tokens: list[int], window: int) -> int | None:
+    det = RepetitionDetector(window)
+    return next((i for i, t in enumerate(tokens) if det.feed(t)), None)
+
+
+def test_repetition_detector_fires_once_the_window_repeats_a_short_pattern() -> None:
+    assert _first_alarm([7] * 40, 16) == 15  # the 16th identical token
+    cycle = [1, 2, 3] * 20
+    assert _first_alarm(cycle, 18) == 17
+    assert _first_alarm([5, 9] + [4] * 15, 16) is None  # 15 repeats < window
+    text = list(range(100))  # ordinary output: nothing repeats
+    assert _first_alarm(text, 16) is None
+    # A pattern longer than max_period (8) is not degenerate by this rule.
+    assert _first_alarm(list(range(9)) * 10, 16) is None
+
+
+@pytest.mark.parametrize("window", [-1, 3, 15, 5000, 1.5, True])
+def test_repetition_window_is_validated(window: object) -> None:
+    with pytest.raises(ValueError, match="repetition_window"):
+        check_window(window)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,6 +41,10 @@ class LoadedRuntime:
     on_loop_start: Callable[[], Any] | None = None
     # Optional release hook called at shutdown (e.g. engine.shutdown()).
     close: Callable[[], Any] | None = None
+    # Optional output self-test: a coroutine function returning a report's JSON (``passed``,
+    # ``failing_check``, ``reason``, ``checks``), and whether real requests saturate the engine now.
+    self_test: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    saturated: Callable[[], bool] | None = None
 
 
 Loader = Callable[[ProgressFn], LoadedRuntime]
