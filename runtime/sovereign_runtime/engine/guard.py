@@ -89,7 +89,24 @@ class StepGuard:
         return bool(self._fp8)
 
     def execute(self, batch: ScheduledBatch, run: Run) -> GuardedStep:
-        parts, failures = self._isolated(batch, run)
+        try:
+            out = run(batch)
+        except Exception:
+            parts, failures = self._isolated(batch, run)
+        else:
+            if NONFINITE not in out.token_ids:  # the common case: one scan of the sampled ids
+                return GuardedStep(out)
+            parts, failures = [(batch, out)], {}
+        return self._resolve(batch, parts, failures, run)
+
+    def _resolve(
+        self,
+        batch: ScheduledBatch,
+        parts: list[tuple[ScheduledBatch, SamplerOutput]],
+        failures: dict[Sequence, SequenceFailure],
+        run: Run,
+    ) -> GuardedStep:
+        """Merge the parts' rows back into batch order, recompute or fail the non-finite ones."""
         rows: dict[Sequence, tuple[int, float | None, list[tuple[int, float]] | None]] = {}
         nonfinite: list[int] = []  # batch indices
         index = {seq: i for i, seq in enumerate(batch.seqs)}
@@ -137,7 +154,7 @@ class StepGuard:
             "non-finite logits in %s: recomputing %d sequence(s) in float32", step_shape(batch), len(retry)
         )
         with reference_precision(self._fp8):
-            parts, retry_failures = self._isolated(retry, run)
+            parts, retry_failures = self._isolated(retry, run, known_failing=False)
         failures.update(retry_failures)
         still: list[int] = []
         index = {seq: i for i, seq in enumerate(batch.seqs)}
@@ -151,22 +168,25 @@ class StepGuard:
         return sorted(still)
 
     def _isolated(
-        self, batch: ScheduledBatch, run: Run
+        self, batch: ScheduledBatch, run: Run, known_failing: bool = True
     ) -> tuple[list[tuple[ScheduledBatch, SamplerOutput]], dict[Sequence, SequenceFailure]]:
-        """Run ``batch``; on an exception, bisect until the sequences whose inputs raise are alone."""
-        try:
-            return [(batch, run(batch))], {}
-        except Exception as exc:
-            if len(batch) == 1:
-                seq = batch.seqs[0]
-                self.stats.isolated_exceptions_total += 1
-                log.exception("request %s failed in the engine step (%s)", seq.request_id, step_shape(batch))
-                return [], {seq: SequenceFailure(STEP_EXCEPTION, f"{type(exc).__name__}: {exc}")}
-            log.warning("engine step failed (%s): retrying its halves apart", step_shape(batch))
+        """Bisect a batch that raised until the sequences whose inputs raise are alone."""
+        if len(batch) == 1 or not known_failing:
+            try:
+                return [(batch, run(batch))], {}
+            except Exception as exc:
+                if len(batch) == 1:
+                    seq = batch.seqs[0]
+                    self.stats.isolated_exceptions_total += 1
+                    log.exception(
+                        "request %s failed in the engine step (%s)", seq.request_id, step_shape(batch)
+                    )
+                    return [], {seq: SequenceFailure(STEP_EXCEPTION, f"{type(exc).__name__}: {exc}")}
+        log.warning("engine step failed (%s): retrying its halves apart", step_shape(batch))
         half = len(batch) // 2
         parts, failures = [], {}
         for keep in (list(range(half)), list(range(half, len(batch)))):
-            p, f = self._isolated(sub_batch(batch, keep), run)
+            p, f = self._isolated(sub_batch(batch, keep), run, known_failing=False)
             parts += p
             failures.update(f)
         return parts, failures
