@@ -13,11 +13,14 @@ A spec is a comma-separated list of ``key=value`` pairs, for example
   gets finite noise of its own magnitude (the shape of the public "wrong once 3+ sequences share a batch"
   reports: finite, so only the self-test's batch-invariance check can see it).
 - ``corrupt_weight=NAME``: the first 128x128 block of parameter ``NAME`` is overwritten with noise of ten
-  times the tensor's spread, once, when the injector is installed (after the weights fingerprint).
+  times the tensor's spread, once (after the weights fingerprint).
+- ``onset_s=S``: every fault above stays dormant for ``S`` seconds after installation, then engages (a pod
+  that starts healthy and breaks while serving).
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ class FaultSpec:
     batch_layer: int = 0
     corrupt_weight: str | None = None
     seed: int = 0
+    onset_s: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -55,7 +59,7 @@ class FaultSpec:
             try:
                 if key in ints:
                     fields[key] = int(value)
-                elif key == "nan_p":
+                elif key in ("nan_p", "onset_s"):
                     fields[key] = float(value)
                 elif key == "nan_fp8_only":
                     if value not in ("0", "1", "true", "false"):
@@ -66,7 +70,7 @@ class FaultSpec:
                 else:
                     raise KeyError(key)
             except KeyError:
-                valid = "nan_layer, nan_p, nan_fp8_only, batch_min_seqs, batch_layer, corrupt_weight, seed"
+                valid = "nan_layer, nan_p, nan_fp8_only, batch_min_seqs, batch_layer, corrupt_weight, onset_s, seed"
                 raise ValueError(f"unknown fault spec key {key!r}; valid keys: {valid}") from None
             except ValueError:
                 raise ValueError(f"fault spec {key}={value!r} is not a valid value") from None
@@ -79,6 +83,8 @@ class FaultSpec:
             raise ValueError(f"fault spec nan_p must be in [0, 1], got {self.nan_p}")
         if (self.nan_layer is None) != (self.nan_p == 0.0):
             raise ValueError("fault spec nan_layer and nan_p go together (nan_p > 0 needs nan_layer)")
+        if not 0.0 <= self.onset_s <= 86400.0:
+            raise ValueError(f"fault spec onset_s must be in [0, 86400] seconds, got {self.onset_s}")
         if self.batch_min_seqs is not None and self.batch_min_seqs < 1:
             raise ValueError(f"fault spec batch_min_seqs must be at least 1, got {self.batch_min_seqs}")
         if not (self.nan_layer is not None or self.batch_min_seqs is not None or self.corrupt_weight):
@@ -108,13 +114,27 @@ class FaultInjector:
         if spec.nan_layer is not None:
             self._fp8 = [m for m in layers[spec.nan_layer].modules() if isinstance(m, Fp8Linear)]
         self._noise = torch.Generator().manual_seed(spec.seed)
+        self._onset = time.monotonic() + spec.onset_s
+        self._engaged = False
         if spec.corrupt_weight:
-            corrupt_weight_block(model, spec.corrupt_weight, spec.seed)
+            _find_parameter(model, spec.corrupt_weight)  # a wrong name fails now, not at the onset
+        self._engage()
+
+    def _engage(self) -> bool:
+        """True once the onset has passed; corrupts the weight block the first time."""
+        if not self._engaged and time.monotonic() >= self._onset:
+            self._engaged = True
+            if self.spec.corrupt_weight:
+                corrupt_weight_block(self.model, self.spec.corrupt_weight, self.spec.seed)
+        return self._engaged
 
     def begin_step(self, request_ids: Sequence[str], positions: Sequence[int], counts: Sequence[int]) -> None:
         """The next forward's sequences (request id, first new position, new tokens), in batch order."""
-        self._num_seqs = len(request_ids)
+        self._num_seqs = 0
         self._nan_rows = []
+        if not self._engage():
+            return
+        self._num_seqs = len(request_ids)
         p = self.spec.nan_p
         if p <= 0.0:
             return
@@ -150,17 +170,21 @@ class FaultInjector:
 
 def corrupt_weight_block(model: nn.Module, name: str, seed: int = 0) -> None:
     """Overwrite the first 128x128 block of parameter ``name`` with noise (ten times its spread)."""
-    params = dict(model.named_parameters())
-    if name not in params:
-        hint = ", ".join(n for n in list(params)[:5])
-        raise ValueError(f"fault spec corrupt_weight: no parameter {name!r} (names look like {hint}, ...)")
-    p = params[name]
+    p = _find_parameter(model, name)
     with torch.no_grad():
         block = p.data[:_BLOCK, :_BLOCK] if p.dim() >= 2 else p.data[:_BLOCK]
         spread = float(block.float().std()) or 1.0
         g = torch.Generator().manual_seed(seed + 1)
         noise = torch.randn(block.shape, generator=g) * 10 * spread
         block.copy_(noise.to(p.device, p.dtype))
+
+
+def _find_parameter(model: nn.Module, name: str) -> nn.Parameter:
+    params = dict(model.named_parameters())
+    if name not in params:
+        hint = ", ".join(n for n in list(params)[:5])
+        raise ValueError(f"fault spec corrupt_weight: no parameter {name!r} (names look like {hint}, ...)")
+    return params[name]
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
