@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ from sovereign_runtime.builtin import resolve_builtin  # noqa: E402
 from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 TINY = resolve_builtin("sovereign-tiny")
+SelfTestLike = Any
+SelfTestReportLike = Any
 
 
 def _decode_rate(engine: LLMEngine, streams: int, tokens: int, seed: int) -> float:
@@ -158,7 +161,7 @@ def _engine_for(path: Path, dtype: torch.dtype | None, size: int) -> LLMEngine:
     return engine
 
 
-async def _self_test(test):  # noqa: ANN001, ANN202
+async def _self_test(test: SelfTestLike) -> SelfTestReportLike:
     return await test.run()
 
 
