@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,10 +38,9 @@ sys.path.insert(0, str(ROOT / "runtime"))
 
 from sovereign_runtime.builtin import resolve_builtin  # noqa: E402
 from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from sovereign_runtime.engine.selftest import SelfTest, SelfTestConfig, SelfTestReport, tiny_known_answers  # noqa: E402
 
 TINY = resolve_builtin("sovereign-tiny")
-SelfTestLike = Any
-SelfTestReportLike = Any
 
 
 def _decode_rate(engine: LLMEngine, streams: int, tokens: int, seed: int) -> float:
@@ -112,7 +110,6 @@ def _paths() -> list[tuple[str, Path, torch.dtype | None]]:
 
 def false_positives(args: argparse.Namespace) -> None:
     from sovereign_runtime.engine.async_engine import AsyncEngine
-    from sovereign_runtime.engine.selftest import SelfTest
 
     print("| path | requests | batch sizes | errors (false positives) | self-tests run / failed |")
     print("| --- | --- | --- | --- | --- |")
@@ -161,13 +158,12 @@ def _engine_for(path: Path, dtype: torch.dtype | None, size: int) -> LLMEngine:
     return engine
 
 
-async def _self_test(test: SelfTestLike) -> SelfTestReportLike:
+async def _self_test(test: SelfTest) -> SelfTestReport:
     return await test.run()
 
 
 def self_test(args: argparse.Namespace) -> None:
     from sovereign_runtime.engine.async_engine import AsyncEngine
-    from sovereign_runtime.engine.selftest import SelfTest, SelfTestConfig, tiny_known_answers
     from sovereign_runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(TINY)
