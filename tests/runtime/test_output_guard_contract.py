@@ -183,7 +183,8 @@ def test_a_pod_whose_self_test_fails_leaves_the_rotation_and_the_other_serves(
     _wait_for(
         "the faulty worker's self-test to fail", lambda: _get(faulty + "/health/ready")[0] == 503, procs, 60
     )
-    status, ready = _get(faulty + "/health/ready")
+    code, ready = _get(faulty + "/health/ready")
+    assert code == 503
     assert ready["status"] == "output_unhealthy" and ready["failing_check"] == "batch_invariance"
     startup = _get(faulty + "/health/startup")[1]
     assert startup["self_test"]["passed"] is False and "non-finite" in startup["self_test"]["reason"]
