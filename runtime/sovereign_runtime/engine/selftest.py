@@ -195,9 +195,49 @@ def check_numerics(model: nn.Module, dtype: torch.dtype, config: SelfTestConfig)
                     )
                 if err > worst:
                     worst, worst_name = err, f"layer {idx} {name}"
-    return CheckResult(
-        NUMERICS, True, f"{checked} linears, worst {worst:.3g} ({worst_name}) <= {threshold:g}"
+        attn_err = attention_kernel_error(layers[0].self_attn, dtype)
+    if attn_err is not None:
+        if not attn_err <= threshold:
+            return CheckResult(
+                NUMERICS,
+                False,
+                f"decode attention kernel: relative error {attn_err:.3g} over {threshold:g} ({dtype})",
+            )
+        if attn_err > worst:
+            worst, worst_name = attn_err, "decode attention kernel"
+    what = f"{checked} linears" + (" and the decode attention kernel" if attn_err is not None else "")
+    return CheckResult(NUMERICS, True, f"{what}, worst {worst:.3g} ({worst_name}) <= {threshold:g}")
+
+
+def attention_kernel_error(attn: nn.Module, dtype: torch.dtype) -> float | None:
+    """The serving decode-attention dispatch (Triton on CUDA) against the float64 reference, on synthetic
+    queries and a paged cache of the layer's shapes (three sequences, contexts 1, 37 and 130 tokens)."""
+    from ..kernels.mla_decode import mla_decode, mla_decode_reference
+
+    config = getattr(attn, "config", None)
+    heads = getattr(attn, "num_heads", None)
+    if config is None or heads is None:
+        return None
+    rank, width = config.kv_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim
+    device = next(attn.parameters()).device
+    g = torch.Generator().manual_seed(11)
+    block_size, lens = 16, [1, 37, 130]
+    per_seq = [-(-n // block_size) for n in lens]
+    blocks = sum(per_seq)
+    order = torch.randperm(blocks, generator=g).tolist()  # scattered physical blocks, as a pool hands out
+    tables = torch.full((len(lens), max(per_seq)), -1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
+        start += n
+    q = torch.randn(len(lens), heads, width, generator=g)
+    cache = torch.randn(blocks, block_size, width, generator=g)
+    context = torch.tensor(lens, dtype=torch.int32)
+    served = mla_decode(
+        q.to(device, dtype), cache.to(device, dtype), tables.to(device), context.to(device), attn.scale, rank
     )
+    ref = mla_decode_reference(q.double(), cache.double(), tables, context, attn.scale, rank)
+    return relative_error(served.cpu(), ref)
 
 
 def check_weights(model: nn.Module, expected: dict[str, int] | None) -> CheckResult:
