@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams
@@ -10,7 +12,8 @@ from sovereign_runtime.engine.repetition import RepetitionDetector, check_window
 from sovereign_runtime.engine.sampler import NONFINITE, Sampler
 from sovereign_runtime.engine.scheduler import ScheduledBatch
 from sovereign_runtime.engine.selftest import Decoded, compare_runs, weights_fingerprint
-from sovereign_runtime.model.faults import FaultSpec
+from sovereign_runtime.model import load_model
+from sovereign_runtime.model.faults import FaultInjector, FaultSpec
 from toy_model import ToyPagedModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -203,3 +206,57 @@ def test_repetition_detector_fires_once_the_window_repeats_a_short_pattern() -> 
 def test_repetition_window_is_validated(window: object) -> None:
     with pytest.raises(ValueError, match="repetition_window"):
         check_window(window)  # type: ignore[arg-type]
+
+
+def _fp8_engine(checkpoint: Path, fault: str | None) -> tuple[LLMEngine, FaultInjector | None]:
+    # FP8 weights stay e4m3 in Fp8Linear modules (the CUDA default; on CPU they are dequantised at load).
+    model, _ = load_model(checkpoint, "cpu", torch.bfloat16, keep_fp8=True)
+    eng = LLMEngine.from_model(model, EngineConfig(dtype=torch.bfloat16, block_size=4, num_kv_blocks=256))
+    injector = None
+    if fault is not None:
+        injector = eng.runner.faults = FaultInjector(eng.runner.model, FaultSpec.parse(fault))
+    return eng, injector
+
+
+FP8_PROMPTS = [[3, 4, 5, 6], [9, 8, 7], [11, 12, 13, 14, 15], [20, 21], [30, 31, 32], [40, 41, 42, 43]]
+
+
+def test_fp8_outlier_is_recovered_by_one_float32_recompute(tiny_fp8_checkpoint: Path) -> None:
+    eng, injector = _fp8_engine(tiny_fp8_checkpoint, "nan_layer=0,nan_p=0.3,nan_fp8_only=1,seed=3")
+    assert injector is not None
+    for i, p in enumerate(FP8_PROMPTS):
+        eng.add_request(p, GREEDY, request_id=f"r{i}")
+    guard = StepGuard(eng.runner.model, torch.bfloat16)
+    assert guard.has_precision_fallback
+    result = _guarded_run(eng, guard, eng.runner.execute)
+    assert injector.poisoned, "the fault never fired: pick another seed"
+    assert all(isinstance(v, list) and len(v) == GREEDY.max_tokens for v in result.values()), result
+    assert guard.stats.precision_fallbacks_total >= len(injector.poisoned)
+    assert guard.stats.precision_fallbacks_recovered_total == guard.stats.precision_fallbacks_total
+    assert guard.stats.nonfinite_logits_total == 0
+
+
+def test_fp8_nan_that_survives_the_recompute_fails_only_its_requests(tiny_fp8_checkpoint: Path) -> None:
+    clean_eng, _ = _fp8_engine(tiny_fp8_checkpoint, None)
+    clean = clean_eng.generate(FP8_PROMPTS, GREEDY)
+    eng, injector = _fp8_engine(tiny_fp8_checkpoint, "nan_layer=1,nan_p=0.05,seed=0")
+    assert injector is not None
+    for i, p in enumerate(FP8_PROMPTS):
+        eng.add_request(p, GREEDY, request_id=f"r{i}")
+    guard = StepGuard(eng.runner.model, torch.bfloat16)
+    result = _guarded_run(eng, guard, eng.runner.execute)
+    assert injector.poisoned and len(injector.poisoned) < len(FP8_PROMPTS), injector.poisoned
+    for i in range(len(FP8_PROMPTS)):
+        rid = f"r{i}"
+        if rid in injector.poisoned:
+            assert result[rid] == NONFINITE_LOGITS
+        else:
+            assert result[rid] == clean[i]
+    assert guard.stats.nonfinite_logits_total == len(injector.poisoned)
+    assert guard.stats.precision_fallbacks_total == len(injector.poisoned)
+    assert guard.stats.precision_fallbacks_recovered_total == 0
+
+
+def test_no_fallback_without_a_reduced_precision_path(tiny_fp8_checkpoint: Path) -> None:
+    model, _ = load_model(tiny_fp8_checkpoint, "cpu", torch.float32, keep_fp8=True)
+    assert not StepGuard(model, torch.float32).has_precision_fallback

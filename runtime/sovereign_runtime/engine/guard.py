@@ -7,8 +7,9 @@ must end with an error instead:
   the single sequences whose inputs raise; everything else keeps its token from the same step (re-running a
   step rewrites the same KV slots, so the retry is idempotent);
 - a sampled row whose logits are not finite (the sampler reports it as ``NONFINITE`` on its existing sync)
-  is, when the model has FP8 linears, recomputed once alone with those weights dequantised to float32; a row
-  still not finite after that, or on a model without a reduced-precision path, fails.
+  is, when the model has FP8 linears and 16-bit activations, recomputed once without the rest of the batch
+  with those linears dequantised to and computed in float32; a row still not finite after that, or on a
+  model without a reduced-precision path, fails.
 
 Failed sequences never get a token: the caller ends them with ``finish_reason="error"``.
 """
@@ -19,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..model.fp8 import fp8_linears, reference_precision
@@ -79,10 +81,12 @@ def step_shape(batch: ScheduledBatch) -> str:
 
 
 class StepGuard:
-    def __init__(self, model: nn.Module | object) -> None:
+    def __init__(self, model: nn.Module | object, dtype: torch.dtype = torch.float32) -> None:
         self.stats = GuardStats()
-        # The reduced-precision path a non-finite row is recomputed without (empty: no fallback).
-        self._fp8 = fp8_linears(model) if isinstance(model, nn.Module) else []
+        # The reduced-precision path a non-finite row is recomputed without: FP8 weights dequantised to a
+        # 16-bit activation dtype (with float32 activations they already are float32: nothing to fall back to).
+        reduced = dtype in (torch.bfloat16, torch.float16)
+        self._fp8 = fp8_linears(model) if reduced and isinstance(model, nn.Module) else []
 
     @property
     def has_precision_fallback(self) -> bool:

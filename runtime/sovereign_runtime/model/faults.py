@@ -20,8 +20,8 @@ A spec is a comma-separated list of ``key=value`` pairs, for example
 
 from __future__ import annotations
 
+import hashlib
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +140,8 @@ class FaultInjector:
             return
         start = 0
         for rid, pos, n in zip(request_ids, positions, counts, strict=True):
-            draw = zlib.crc32(f"{self.spec.seed}:{rid}:{pos}".encode()) / 2**32
+            key = f"{self.spec.seed}:{rid}:{pos}".encode()
+            draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
             if draw < p:
                 self._nan_rows.extend(range(start, start + n))
                 self.poisoned.add(rid)
