@@ -21,6 +21,7 @@ KV, sampler) is what is tested. Pure parts (comparison, fingerprint) are plain f
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.15, torch.float16: 0
 # Relative error of a serving-path linear against its float64 reference, per activation dtype.
 NUMERICS_THRESHOLD = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 _FINGERPRINT_CHUNK = 1 << 26
+log = logging.getLogger("sovereign_runtime.engine")
 
 
 @dataclass(frozen=True)
@@ -361,3 +363,40 @@ def is_saturated(stats: Any, max_num_seqs: int, need: int) -> bool:
 
 def check_names() -> Sequence[str]:
     return (BATCH_INVARIANCE, NUMERICS, WEIGHTS, KNOWN_ANSWERS)
+
+
+def prepare_output_guard(
+    engine: Any,
+    tokenizer: Any,
+    *,
+    self_test: bool,
+    known_answers: bool,
+    fault: Any = None,
+) -> tuple[Callable[[], Any] | None, Callable[[], bool] | None]:
+    """Set up the self-test and fault injection on a freshly built ``AsyncEngine`` (the loader's part).
+
+    The weights fingerprint is taken first, then a test-only fault (a ``FaultSpec``) is installed, so a
+    corrupted weight block is one the fingerprint sees. Returns the self-test coroutine function (report
+    JSON) and the saturation probe for ``LoadedRuntime``; both None when the self-test is off.
+    """
+    test = None
+    if self_test:
+        answers = tiny_known_answers(tokenizer) if known_answers else []
+        test = SelfTest(engine, SelfTestConfig(known_answers=answers))
+        test.take_fingerprint()
+    if fault is not None:
+        from ..model.faults import FaultInjector
+
+        log.warning("fault injection is ON (tests and drills only): %s", fault)
+        engine.engine.runner.faults = FaultInjector(engine.engine.runner.model, fault)
+    if test is None:
+        return None, None
+    need = max(test.batch_sizes)
+
+    async def run() -> dict[str, Any]:
+        return (await test.run()).to_json()
+
+    def saturated() -> bool:
+        return is_saturated(engine.stats(), test.max_num_seqs, need)
+
+    return run, saturated
