@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-OUTPUT_HEALTHY = "OutputHealthy"
+from sovereign_operator.vocabulary import OUTPUT_HEALTHY  # noqa: F401  (re-exported: the condition's type)
+
 SELF_TEST_FAILING = "SelfTestFailing"
 UNREACHABLE = "Unreachable"
 NOT_REPORTED = "SelfTestNotReported"

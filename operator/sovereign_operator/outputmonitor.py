@@ -14,29 +14,35 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import aiohttp
 
 from sovereign_operator.outputhealth import (
-    OUTPUT_HEALTHY,
     OutputReport,
     RestartMemory,
     choose_restarts,
     failing_pods,
     output_condition_fields,
 )
-from sovereign_operator.render.children import RUNTIME_PORT
+from sovereign_operator.vocabulary import (
+    OUTPUT_HEALTHY,
+    condition,
+    conditions_patch,
+    find_condition,
+    pod_component,
+    pod_url,
+    rfc3339,
+    same_condition,
+)
 
 log = logging.getLogger(__name__)
-COMPONENT_LABEL = "app.kubernetes.io/component"
 STARTUP_PATH = "/health/startup"
 OUTPUT_INTERVAL_S = 15.0
 WORKER_COMPONENTS = ("prefill", "decode", "unified")
 
-# post_event(deployment body, type "Normal"|"Warning", reason, message)
-EventPoster = Callable[[Mapping[str, Any], str, str, str], Awaitable[Any]]
+# post_event(deployment body, type "Normal"|"Warning", reason, message): events.EventPoster.post
+PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
 
 
 class KubeLike(Protocol):
@@ -49,8 +55,7 @@ class KubeLike(Protocol):
 
 
 def default_startup_url(pod: Mapping[str, Any]) -> str | None:
-    ip = (pod.get("status") or {}).get("podIP")
-    return f"http://{ip}:{RUNTIME_PORT}{STARTUP_PATH}" if ip else None
+    return pod_url(pod, STARTUP_PATH)
 
 
 def _running(pod: Mapping[str, Any]) -> bool:
@@ -82,37 +87,8 @@ async def read_startup(
         return OutputReport(pod, component, error=f"{type(error).__name__}: {error}"[:300], uid=uid)
 
 
-def _rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def output_condition(
-    fields: tuple[str, str, str], previous: Mapping[str, Any] | None, now: float, generation: int | None
-) -> dict[str, Any]:
-    status, reason, message = fields
-    transition = _rfc3339(now)
-    if previous and previous.get("status") == status and previous.get("lastTransitionTime"):
-        transition = previous["lastTransitionTime"]
-    cond: dict[str, Any] = {
-        "type": OUTPUT_HEALTHY,
-        "status": status,
-        "reason": reason,
-        "message": message[:2000],
-        "lastTransitionTime": transition,
-    }
-    if generation is not None:
-        cond["observedGeneration"] = generation
-    return cond
-
-
-def find_output_condition(status: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == OUTPUT_HEALTHY), None)
-
-
-def _same(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return all(a.get(k) == b.get(k) for k in ("status", "reason", "message", "observedGeneration"))
+def _output_condition(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return find_condition(status.get("conditions"), OUTPUT_HEALTHY)
 
 
 @dataclass
@@ -128,7 +104,7 @@ class OutputHealthMonitor:
         kube: KubeLike,
         http: Callable[[], aiohttp.ClientSession],
         *,
-        post_event: EventPoster | None = None,
+        post_event: PostEvent | None = None,
         on_change: Callable[[str, str], Awaitable[Any]] | None = None,
         pod_url: Callable[[Mapping[str, Any]], str | None] = default_startup_url,
         clock: Callable[[], float] = time.time,
@@ -165,7 +141,7 @@ class OutputHealthMonitor:
         targets = []
         for pod in pods:
             meta = pod["metadata"]
-            component = (meta.get("labels") or {}).get(COMPONENT_LABEL)
+            component = pod_component(pod)
             if component not in WORKER_COMPONENTS or not _running(pod):
                 continue
             url = self.pod_url(pod)
@@ -190,35 +166,36 @@ class OutputHealthMonitor:
         status = body.get("status") or {}
         generation = body.get("metadata", {}).get("generation")
         generation = int(generation) if isinstance(generation, int) else None
-        wanted = None
-        if reports:
-            wanted = output_condition(
-                output_condition_fields(reports), find_output_condition(status), now, generation
-            )
-        if _same(find_output_condition(status), wanted):
-            return wanted
+        fields = output_condition_fields(reports) if reports else None
+
+        def wanted_for(current: Mapping[str, Any] | None) -> dict[str, Any] | None:
+            if fields is None:
+                return None
+            return condition(OUTPUT_HEALTHY, *fields, rfc3339(now), current, generation)
+
+        if same_condition(_output_condition(status), wanted_for(_output_condition(status))):
+            return wanted_for(_output_condition(status))
+        # The watched body may lag behind our own last write: decide on the live object.
         live = await self.kube.get_deployment(namespace, name)
         if live is None or live["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
             return None
         live_status = live.get("status") or {}
-        current = find_output_condition(live_status)
-        if reports:
-            wanted = output_condition(output_condition_fields(reports), current, now, generation)
-        if _same(current, wanted):
+        current = _output_condition(live_status)
+        wanted = wanted_for(current)
+        patch = conditions_patch(live_status, OUTPUT_HEALTHY, wanted)
+        if patch is None:
             return wanted
-        others = [c for c in live_status.get("conditions") or [] if c.get("type") != OUTPUT_HEALTHY]
-        patch = {"conditions": others + ([wanted] if wanted is not None else [])}
         await self.kube.patch_status(
             namespace, name, patch, resource_version=live["metadata"].get("resourceVersion")
         )
         if wanted is not None and wanted["status"] == "False":
             log.warning("%s/%s output unhealthy: %s", namespace, name, wanted["message"])
-            await self._event(live, "Warning", "OutputUnhealthy", wanted["message"])
+            self._event(live, "Warning", "OutputUnhealthy", wanted["message"])
         elif (
             wanted is not None and wanted["status"] == "True" and current and current.get("status") == "False"
         ):
-            await self._event(live, "Normal", "OutputHealthy", wanted["message"])
+            self._event(live, "Normal", "OutputHealthy", wanted["message"])
         if self.on_change is not None:
             try:
                 await self.on_change(namespace, name)
@@ -250,12 +227,8 @@ class OutputHealthMonitor:
                 log.warning("deleting %s/%s failed: %s", namespace, victim.pod, error)
                 memory.restarts.in_progress.pop(victim.component, None)
                 continue
-            await self._event(body, "Warning", "RestartingForOutput", message)
+            self._event(body, "Warning", "RestartingForOutput", message)
 
-    async def _event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
-        if self.post_event is None:
-            return
-        try:
-            await self.post_event(body, kind, reason, message)
-        except Exception as error:  # an Event is best effort; the condition says the same
-            log.warning("posting event %s failed: %s", reason, error)
+    def _event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        if self.post_event is not None:
+            self.post_event(body, kind, reason, message)

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from sovereign_operator.outputhealth import OUTPUT_HEALTHY
+from sovereign_operator.outputhealth import OUTPUT_HEALTHY, OutputReport
 from sovereign_operator.outputmonitor import OutputHealthMonitor
 
 
@@ -103,7 +103,7 @@ async def _monitor(
 ) -> tuple[OutputHealthMonitor, aiohttp.ClientSession]:
     session = aiohttp.ClientSession()
 
-    async def post_event(body: Any, kind: str, reason: str, message: str) -> None:
+    def post_event(body: Any, kind: str, reason: str, message: str) -> None:
         events.append((reason, message))
 
     monitor = OutputHealthMonitor(
@@ -188,3 +188,102 @@ def test_an_unreadable_pod_is_unknown() -> None:
 
 def test_remediation_restarts_one_failing_pod_per_pool_with_backoff() -> None:
     asyncio.run(_test_remediation_restarts_one_failing_pod_per_pool_with_backoff())
+
+
+def test_degraded_names_the_failing_self_test_and_the_condition_is_kept() -> None:
+    from operator_specs import TINY_SPEC
+    from sovereign_operator.api import LLMDeploymentSpec
+    from sovereign_operator.api.status import LLMDeploymentStatus
+    from sovereign_operator.observe import Observed, compute_status, status_patch
+    from sovereign_operator.outputhealth import output_condition_fields
+    from sovereign_operator.render import ClusterFacts, DeploymentRef, render
+    from sovereign_operator.vocabulary import condition
+
+    ref = DeploymentRef(name="llm", namespace="ns", uid="u", generation=2)
+    rendered = render(ref, LLMDeploymentSpec.model_validate(TINY_SPEC), ClusterFacts())
+    reports = [OutputReport("llm-unified-0", "unified", _startup(False))]
+    out = condition(OUTPUT_HEALTHY, *output_condition_fields(reports), "2026-01-01T00:00:00Z")
+    current = {"conditions": [out]}
+    sts = {
+        "metadata": {"generation": 1},
+        "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1},
+    }
+    observed = Observed(
+        statefulsets={"unified": sts}, router={"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
+    )
+    status = compute_status(
+        2, rendered, observed, LLMDeploymentStatus.model_validate(current), "2026-01-01T00:00:00Z"
+    )
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "OutputUnhealthy")
+    assert "llm-unified-0 fails batch_invariance" in degraded.message
+    patch = status_patch(current, status)
+    assert patch is not None and out in patch["conditions"]  # the monitor's condition is kept
+
+
+def test_the_autoscaler_counts_a_failing_pod_as_neither_capacity_nor_starting() -> None:
+    from sovereign_operator.autoscale.controller import pool_replicas
+
+    def pod(name: str, ready: bool) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name},
+            "status": {
+                "phase": "Running",
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
+        }
+
+    sts = {"spec": {"replicas": 3}, "status": {"replicas": 3}}
+    pods = [pod("p-0", True), pod("p-1", False), pod("p-2", False)]
+    reps = pool_replicas(sts, pods, 0.0, {"p-1"})
+    assert (reps.ready, reps.starting, reps.output_failing) == (1, 1, 1)
+
+
+def test_the_policy_sizes_the_pool_as_if_failing_pods_were_absent() -> None:
+    from sovereign_operator.autoscale import (
+        AutoscalerConfig,
+        PoolConfig,
+        PoolInput,
+        PoolMetrics,
+        PoolReplicas,
+        decide,
+    )
+
+    pool = PoolConfig(
+        min_replicas=1,
+        max_replicas=10,
+        ttft_target_s=None,
+        itl_target_s=None,
+        kv_cache_usage_target=0.7,
+        prompt_tokens_waiting_target=None,
+    )
+    config = AutoscalerConfig(interval_s=15.0, scale_up_stabilization_s=0.0)
+
+    def desired_after(failing: int) -> int:
+        state: dict[str, Any] = {}
+        decision = None
+        for i in range(3):
+            now = i * 15.0
+            # Two serving pods at 95 % KV usage: three serving pods meet the 70 % target.
+            metrics = PoolMetrics(
+                observed_at=now,
+                pods_reporting=2,
+                pods_expected=2,
+                kv_cache_usage_mean=0.95,
+                kv_cache_usage_max=0.95,
+            )
+            replicas = PoolReplicas(desired=2 + failing, current=2 + failing, ready=2, output_failing=failing)
+            decisions, state = decide(
+                now,
+                {"p": PoolInput(role="decode", replicas=replicas, metrics=metrics)},
+                {"p": pool},
+                config,
+                state,
+            )
+            decision = decisions["p"]
+        assert decision is not None
+        return decision.desired
+
+    assert desired_after(0) == 3
+    # 2 serving + 1 failing: three serving pods are still needed, so four replicas (not "3 is enough").
+    assert desired_after(1) == 4
