@@ -21,6 +21,7 @@ KV, sampler) is what is tested. Pure parts (comparison, fingerprint) are plain f
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -214,7 +215,8 @@ def check_numerics(model: nn.Module, dtype: torch.dtype, config: SelfTestConfig)
 def attention_kernel_error(attn: nn.Module, dtype: torch.dtype) -> float | None:
     """The serving decode-attention dispatch (Triton on CUDA) against the float64 reference, on synthetic
     queries and a paged cache of the layer's shapes (three sequences, contexts 1, 37 and 130 tokens)."""
-    from ..kernels.mla_decode import mla_decode, mla_decode_reference
+    # The module, not its functions (the kernels package re-exports a function of the same name).
+    kernels = importlib.import_module("sovereign_runtime.kernels.mla_decode")
 
     config = getattr(attn, "config", None)
     heads = getattr(attn, "num_heads", None)
@@ -235,10 +237,10 @@ def attention_kernel_error(attn: nn.Module, dtype: torch.dtype) -> float | None:
     q = torch.randn(len(lens), heads, width, generator=g)
     cache = torch.randn(blocks, block_size, width, generator=g)
     context = torch.tensor(lens, dtype=torch.int32)
-    served = mla_decode(
+    served = kernels.mla_decode(
         q.to(device, dtype), cache.to(device, dtype), tables.to(device), context.to(device), attn.scale, rank
     )
-    ref = mla_decode_reference(q.double(), cache.double(), tables, context, attn.scale, rank)
+    ref = kernels.mla_decode_reference(q.double(), cache.double(), tables, context, attn.scale, rank)
     return relative_error(served.cpu(), ref)
 
 
