@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -105,3 +108,25 @@ def test_saturation_means_queued_requests_or_no_room_for_the_test() -> None:
     assert not is_saturated(Stats(0, 0), 64, 8)
     assert is_saturated(Stats(0, 1), 64, 8)
     assert is_saturated(Stats(57, 0), 64, 8)
+
+
+_TRITON_CHECK = """
+import importlib, torch
+from sovereign_runtime.builtin import resolve_builtin
+from sovereign_runtime.engine.selftest import attention_kernel_error
+from sovereign_runtime.model import load_model
+kernels = importlib.import_module("sovereign_runtime.kernels.mla_decode")
+kernels.mla_decode = kernels.mla_decode_triton  # what the dispatch runs on CUDA
+model, _ = load_model(resolve_builtin("sovereign-tiny"), "cpu", torch.float32)
+print(attention_kernel_error(model.model.layers[0].self_attn, torch.float32))
+"""
+
+
+def test_the_kernel_check_drives_the_triton_kernel_as_served_on_cuda() -> None:
+    # The interpreter must be on before Triton is imported: a fresh process (as test_kernel_mla_decode.py).
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-4
