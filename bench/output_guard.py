@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 
 from sovereign_runtime.builtin import resolve_builtin  # noqa: E402
-from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from sovereign_runtime.engine.sampling import SamplingParams  # noqa: E402
 from sovereign_runtime.engine.selftest import SelfTest, SelfTestConfig, SelfTestReport, tiny_known_answers  # noqa: E402
 
 TINY = resolve_builtin("sovereign-tiny")

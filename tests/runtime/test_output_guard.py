@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from sovereign_runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 from sovereign_runtime.engine.guard import NONFINITE_LOGITS, STEP_EXCEPTION, StepGuard
 from sovereign_runtime.engine.repetition import RepetitionDetector, check_window
 from sovereign_runtime.engine.sampler import NONFINITE, Sampler
+from sovereign_runtime.engine.sampling import SamplingParams
 from sovereign_runtime.engine.scheduler import ScheduledBatch
 from sovereign_runtime.engine.selftest import Decoded, compare_runs, weights_fingerprint
 from sovereign_runtime.model import load_model
@@ -260,3 +262,126 @@ def test_fp8_nan_that_survives_the_recompute_fails_only_its_requests(tiny_fp8_ch
 def test_no_fallback_without_a_reduced_precision_path(tiny_fp8_checkpoint: Path) -> None:
     model, _ = load_model(tiny_fp8_checkpoint, "cpu", torch.float32, keep_fp8=True)
     assert not StepGuard(model, torch.float32).has_precision_fallback
+
+
+# ---- through the engine (LLMEngine.step, AsyncEngine) -----------------------------------------------
+
+TINY = Path(__file__).resolve().parents[2] / "runtime" / "sovereign_runtime" / "builtin" / "sovereign-tiny"
+
+
+def _run_engine(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """request id -> output tokens, plus the finishing output of each request."""
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, Any] = {}
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, request_id=f"r{i}")
+        tokens[f"r{i}"] = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    eng.scheduler.check()
+    return {"tokens": tokens, "finals": finals}
+
+
+def test_injected_nan_fails_exactly_the_affected_requests_and_no_nan_token_is_returned() -> None:
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + i % 5)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    clean = _run_engine(LLMEngine.from_pretrained(TINY, EngineConfig()), prompts, params)["tokens"]
+    eng = LLMEngine.from_pretrained(TINY, EngineConfig())
+    injector = eng.runner.faults = FaultInjector(
+        eng.runner.model, FaultSpec.parse("nan_layer=1,nan_p=0.06,seed=2")
+    )
+    run = _run_engine(eng, prompts, params)
+    affected = injector.poisoned
+    assert 0 < len(affected) < len(prompts), affected
+    for rid, final in run["finals"].items():
+        if rid in affected:
+            # 100 % of affected requests error; what they got before the NaN is exactly the clean prefix.
+            assert final.finish_reason == "error" and final.error is not None
+            assert final.error.kind == NONFINITE_LOGITS
+            got = run["tokens"][rid]
+            assert got == clean[rid][: len(got)] and len(got) < len(clean[rid])
+        else:
+            assert final.finish_reason == "length" and final.error is None
+            assert run["tokens"][rid] == clean[rid]  # unaffected requests in the same batches unchanged
+    stats = eng.stats()
+    assert stats.nonfinite_logits_total == len(affected) and stats.num_requests_running == 0
+
+
+def test_the_async_engine_raises_request_failed_for_a_failed_request_only() -> None:
+    import asyncio
+
+    from sovereign_runtime.engine import RequestFailed
+    from sovereign_runtime.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine(LLMEngine.from_pretrained(TINY, EngineConfig()))
+    eng.engine.runner.faults = FaultInjector(
+        eng.engine.runner.model, FaultSpec.parse("nan_layer=0,nan_p=0.1,seed=1")
+    )
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def one(i: int) -> str:
+        try:
+            async for _ in eng.generate([5 + i, 6, 7], params, request_id=f"q{i}"):
+                pass
+        except RequestFailed as exc:
+            return exc.kind
+        return "ok"
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    try:
+        kinds = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    poisoned = eng.engine.runner.faults.poisoned  # type: ignore[union-attr]
+    assert kinds == [NONFINITE_LOGITS if f"q{i}" in poisoned else "ok" for i in range(8)]
+    assert "ok" in kinds and NONFINITE_LOGITS in kinds
+
+
+def test_an_exception_in_the_engine_step_fails_only_its_request() -> None:
+    eng = LLMEngine.from_pretrained(TINY, EngineConfig())
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    clean = _run_engine(LLMEngine.from_pretrained(TINY, EngineConfig()), prompts, params)["tokens"]
+    real = eng.runner.execute
+
+    def execute(batch: ScheduledBatch, after_layer: Any = None) -> Any:
+        if any(s.request_id == "r1" and s.num_output_tokens == 2 for s in batch.seqs):
+            raise OverflowError("Python int too large to convert to C long")
+        return real(batch, after_layer)
+
+    eng.runner.execute = execute  # type: ignore[method-assign]
+    run = _run_engine(eng, prompts, params)
+    assert run["finals"]["r1"].error.kind == STEP_EXCEPTION
+    assert "OverflowError" in str(run["finals"]["r1"].error)
+    assert run["tokens"]["r0"] == clean["r0"] and run["tokens"]["r2"] == clean["r2"]
+    assert eng.stats().isolated_exceptions_total == 1
+
+
+def test_repetition_detection_ends_a_degenerate_request_with_finish_reason_error() -> None:
+    eng = LLMEngine.from_pretrained(TINY, EngineConfig())
+    # The tiny model loops on this prompt when EOS is ignored: greedy output repeats a short pattern.
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, repetition_window=16)
+    run = _run_engine(eng, [[0] * 4], params)
+    final = run["finals"]["r0"]
+    tokens = run["tokens"]["r0"]
+    assert final.finish_reason == "error" and final.error is None and len(tokens) < 200
+    assert eng.stats().degenerate_outputs_total == 1
+    off = _run_engine(
+        LLMEngine.from_pretrained(TINY, EngineConfig()),
+        [[0] * 4],
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+    )
+    assert off["finals"]["r0"].finish_reason == "length"
+
+
+def test_guard_off_is_the_unguarded_engine() -> None:
+    eng = LLMEngine.from_pretrained(TINY, EngineConfig())
+    eng.set_output_guard(False)
+    assert not eng.runner.sampler.check_finite
+    out = _run_engine(eng, [[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert out["finals"]["r0"].finish_reason == "length"

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from sovereign_runtime.builtin import resolve_builtin
-from sovereign_runtime.engine import AsyncEngine, EngineConfig, LLMEngine
+from sovereign_runtime.engine.async_engine import AsyncEngine
+from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 from sovereign_runtime.engine.selftest import (
     BATCH_INVARIANCE,
     KNOWN_ANSWERS,

@@ -9,18 +9,20 @@ window; windows are long (default minimum 16) so that ordinary repetition such a
 
 from __future__ import annotations
 
+from .api import InvalidRequest
+
 MIN_WINDOW = 16
 MAX_WINDOW = 4096
 MAX_PERIOD = 8
 
 
 def check_window(window: int) -> None:
-    """Raise ValueError naming the parameter unless ``window`` is 0 (off) or in range."""
+    """Raise ``InvalidRequest`` naming the parameter unless ``window`` is 0 (off) or in range."""
     if isinstance(window, bool) or not isinstance(window, int):
-        raise ValueError(f"repetition_window must be an integer, got {window!r}")
+        raise InvalidRequest("repetition_window", f"must be an integer, got {window!r}")
     if window != 0 and not MIN_WINDOW <= window <= MAX_WINDOW:
-        raise ValueError(
-            f"repetition_window must be 0 (off) or in [{MIN_WINDOW}, {MAX_WINDOW}], got {window}"
+        raise InvalidRequest(
+            "repetition_window", f"must be 0 (off) or in [{MIN_WINDOW}, {MAX_WINDOW}], got {window}"
         )
 
 
