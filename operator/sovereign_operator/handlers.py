@@ -6,8 +6,8 @@
 - `mode: auto` is resolved from the nodes when the spec changes and then kept (status records
   it): switching modes replaces every pool, so node churn must not trigger it;
 - no delete handler, no timer and so no finalizer: owner references clean up;
-- an index of the LLMDeployments kopf serves feeds the periodic loop (loop.py: autoscaling and KV
-  health), which writes `status.pools.<pool>.autoscaler.desiredReplicas` and asks the reconciler to
+- an index of the LLMDeployments kopf serves feeds the periodic loop (loop.py: autoscaling, KV
+  health and output health), which writes `status.pools.<pool>.autoscaler.desiredReplicas` and asks the reconciler to
   re-render; the new replica counts flow into rendering as overrides, never into `spec`.
 """
 
@@ -30,6 +30,7 @@ from sovereign_operator.kube import Kube
 from sovereign_operator.kvmonitor import KVHealthMonitor
 from sovereign_operator.loop import OperatorLoop
 from sovereign_operator.metrics import start_server
+from sovereign_operator.outputmonitor import OutputHealthMonitor
 from sovereign_operator.reconcile import Reconciler, RetryLater
 from sovereign_operator.render.plan import OperatorDefaults
 from sovereign_operator.vocabulary import INSTANCE_LABEL, owned_labels
@@ -84,11 +85,14 @@ def assemble(
         await reconciler.refresh_status(namespace, name)
 
     monitor = KVHealthMonitor(kube, autoscaler.http_session, on_change=refresh)
+    # Degraded follows OutputHealthy too; the autoscaler counts failing pods as no capacity.
+    output = OutputHealthMonitor(kube, autoscaler.http_session, post_event=events.post, on_change=refresh)
+    autoscaler.output_failing = output.failing
 
     def bodies() -> Iterator[Mapping[str, Any]]:
         return (body for store in served.values() for body in store)
 
-    loop = OperatorLoop(bodies, autoscaler, monitor)
+    loop = OperatorLoop(bodies, autoscaler, monitor, output_monitor=output)
     STATE.kube, STATE.events, STATE.reconciler, STATE.loop = kube, events, reconciler, loop
     return events, loop
 

@@ -86,6 +86,14 @@ class Kube:
         self._write_fence()
         await self.client.create(codecs.from_dict(event))
 
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete one pod (its StatefulSet recreates it): the output-failure remediation. Gone is fine."""
+        try:
+            await self.client.delete(Pod, name, namespace=namespace)
+        except ApiError as error:
+            if error.status.code != 404:
+                raise
+
     async def observe(self, namespace: str, instance: str) -> Observed:
         labels = owned_labels(instance)
         statefulsets: dict[str, dict[str, Any]] = {}

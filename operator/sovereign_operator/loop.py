@@ -1,11 +1,13 @@
-"""The operator's periodic loop: autoscaling and KV health for every LLMDeployment it serves.
+"""The operator's periodic loop: autoscaling, KV health and output health for every LLMDeployment it serves.
 
 Every TICK_SECONDS the loop takes the LLMDeployments kopf has indexed (handlers.py: kopf's watch of
 exactly the namespaces `run --namespace` serves, so the loop lists nothing itself) and runs a round
 for each, as its own task: a slow or failing object never delays another, and an object whose
 previous round is still running is skipped. The autoscaler skips rounds until the deployment's
 `spec.autoscaling.intervalSeconds` has passed, so the interval is per object; the KV-health monitor
-reads the prefill and decode pods' `/health/kv` every KV_INTERVAL_S and keeps `KVTransferHealthy`.
+reads the prefill and decode pods' `/health/kv` every KV_INTERVAL_S and keeps `KVTransferHealthy`;
+the output-health monitor reads every worker pod's `/health/startup` (its self-test) every
+OUTPUT_INTERVAL_S, keeps `OutputHealthy` and, when the spec allows, restarts a failing pod.
 
 Not a `@kopf.timer`: kopf puts a finalizer on every object a timer serves, and a namespace-restricted
 kopf stops serving a namespace marked for deletion before releasing those finalizers, so deleting
@@ -23,6 +25,7 @@ from typing import Any
 from sovereign_operator.autoscale import AutoscalerConfig
 from sovereign_operator.autoscale.controller import AutoscaleController
 from sovereign_operator.kvmonitor import KVHealthMonitor
+from sovereign_operator.outputmonitor import OutputHealthMonitor
 
 TICK_SECONDS = 5.0
 # What a spec without `autoscaling.intervalSeconds` gets: the CRD's default, as the policy's.
@@ -46,12 +49,14 @@ class OperatorLoop:
         autoscaler: AutoscaleController,
         kv_monitor: KVHealthMonitor,
         *,
+        output_monitor: OutputHealthMonitor | None = None,
         tick_s: float = TICK_SECONDS,
         logger: logging.Logger | None = None,
     ) -> None:
         self.served = served
         self.autoscaler = autoscaler
         self.kv_monitor = kv_monitor
+        self.output_monitor = output_monitor
         self.tick_s = tick_s
         self.log = logger or logging.getLogger(__name__)
         self.rounds: dict[Key, asyncio.Task[None]] = {}
@@ -95,6 +100,8 @@ class OperatorLoop:
             del self.rounds[key]
             self.autoscaler.forget(*key)
             self.kv_monitor.forget(*key)
+            if self.output_monitor is not None:
+                self.output_monitor.forget(*key)
 
     async def _isolated(self, key: Key, body: Mapping[str, Any]) -> None:
         try:
@@ -103,8 +110,14 @@ class OperatorLoop:
             self.log.warning("round for %s/%s failed: %s", key[0], key[1], error)
 
     async def round(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
-        """One object's round: autoscaling when its interval has passed, KV health when due. A
-        failed half is skipped until the next round, never retried in a hot loop."""
+        """One object's round: output health and KV health when due, autoscaling when its interval
+        has passed (after output health, so it sees which pods fail their self-test). A failed part
+        is skipped until the next round, never retried in a hot loop."""
+        if self.output_monitor is not None and self.output_monitor.due(namespace, name):
+            try:
+                await self.output_monitor.tick(namespace, name, body)
+            except Exception as error:
+                self.log.warning("output health round for %s/%s failed: %s", namespace, name, error)
         if self.autoscaler.due(namespace, name, _interval_s(body)):
             try:
                 await self.autoscaler.tick(namespace, name)

@@ -15,6 +15,7 @@ from sovereign_operator.render import Rendered
 from sovereign_operator.vocabulary import (
     DEGRADED,
     KV_TRANSFER_HEALTHY,
+    OUTPUT_HEALTHY,
     PROGRESSING,
     READY,
     RECONCILER_CONDITIONS,
@@ -22,6 +23,8 @@ from sovereign_operator.vocabulary import (
 
 # Degraded's reason while KVTransferHealthy is False (the message carries the condition's own).
 KV_UNHEALTHY = "KVTransferUnhealthy"
+# Degraded's reason while OutputHealthy is False (pods failing their output self-test).
+OUTPUT_UNHEALTHY = "OutputUnhealthy"
 # Waiting reasons of a container that need a person, not patience.
 _STUCK_WAITING = {
     "CrashLoopBackOff",
@@ -161,6 +164,8 @@ def compute_status(
     kv_failing = next((c for c in conditions if c.type == KV_TRANSFER_HEALTHY and c.status == "False"), None)
     if rendered.plan.mode != "disaggregated":
         kv_failing = None
+    # Written by the output-health monitor from the pods' self-tests.
+    output_failing = next((c for c in conditions if c.type == OUTPUT_HEALTHY and c.status == "False"), None)
     if problem is not None:
         degraded = cond(DEGRADED, "True", problem.reason, problem.message)
     elif pod_problems:
@@ -168,6 +173,11 @@ def compute_status(
         if len(pod_problems) > 1:
             message += f" ({len(pod_problems) - 1} more pod problem(s))"
         degraded = cond(DEGRADED, "True", reason, message)
+    elif output_failing is not None:
+        # Pods are out of the Service because their output is wrong; the message names them.
+        degraded = cond(
+            DEGRADED, "True", OUTPUT_UNHEALTHY, f"{output_failing.reason}: {output_failing.message}"
+        )
     elif kv_failing is not None:
         # Serving, but not the way the spec asked (REFERENCE: RDMA trouble must not hide behind
         # Ready): Ready stays True, Degraded says what the KV transfer is doing.

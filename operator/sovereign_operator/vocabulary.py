@@ -54,6 +54,7 @@ PROGRESSING = "Progressing"  # reconciler
 DEGRADED = "Degraded"  # reconciler
 METRICS_AVAILABLE = "MetricsAvailable"  # autoscaler
 KV_TRANSFER_HEALTHY = "KVTransferHealthy"  # KV-health monitor
+OUTPUT_HEALTHY = "OutputHealthy"  # output-health monitor (the pods' self-tests)
 RECONCILER_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 
 

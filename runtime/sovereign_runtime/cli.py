@@ -16,7 +16,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import builtin
 from .assembly import DTYPES, EngineOptions, make_loader, serve_worker, tensor_parallel_problem_for
@@ -56,6 +56,29 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def _repetition_window(text: str) -> int:
+    from .engine.repetition import check_window
+
+    try:
+        value = int(text)
+        check_window(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            str(exc) if "repetition_window" in str(exc) else f"expected an integer, got {text!r}"
+        ) from None
     return value
 
 
@@ -106,6 +129,34 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0, metavar="SECONDS")
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    guard = p.add_argument_group("output guard (docs/troubleshooting.md)")
+    guard.add_argument(
+        "--self-test-interval",
+        type=_non_negative_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="rerun the known-answer self-test this often while serving (0: only before ready)",
+    )
+    guard.add_argument(
+        "--no-self-test", action="store_true", help="skip the self-test: ready right after warm-up"
+    )
+    guard.add_argument(
+        "--repetition-window",
+        type=_repetition_window,
+        default=0,
+        metavar="N",
+        help="end a request whose last N tokens repeat a pattern of <= 8 tokens (0: off; per request too)",
+    )
+    guard.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="allow --inject-fault (tests and alert drills only)",
+    )
+    guard.add_argument(
+        "--inject-fault",
+        metavar="SPEC",
+        help="test-only fault, e.g. nan_layer=1,nan_p=0.2 or batch_min_seqs=3 (needs --enable-fault-injection)",
+    )
     p.add_argument("--speculative-algorithm", choices=("mtp",), help="speculative decoding (not yet used)")
     p.add_argument("--speculative-num-draft-tokens", type=_positive_int, metavar="N")
     p.add_argument(
@@ -171,6 +222,26 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:  # no resolvable hostname: only local peers can reach us anyway
         return "127.0.0.1"
+
+
+def fault_spec(args: argparse.Namespace) -> Any:
+    """The test-only ``FaultSpec`` of ``--inject-fault``, refused unless ``--enable-fault-injection``."""
+    if args.inject_fault is None:
+        if args.enable_fault_injection:
+            raise UsageError("serve: --enable-fault-injection needs --inject-fault SPEC (what to inject)")
+        return None
+    if not args.enable_fault_injection:
+        raise UsageError(
+            "serve: --inject-fault is for tests and drills only; add --enable-fault-injection to allow it"
+        )
+    if args.tensor_parallel_size > 1:
+        raise UsageError("serve: --inject-fault works with --tensor-parallel-size 1 only")
+    from .model.faults import FaultSpec
+
+    try:
+        return FaultSpec.parse(args.inject_fault)
+    except ValueError as exc:
+        raise UsageError(f"serve: --inject-fault: {exc}") from None
 
 
 def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:

@@ -167,6 +167,16 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         with_changes(TINY_SPEC, autoscaling={"prefillDecodeRatio": {"min": 2, "max": 1}}),
         "min must be less than or equal to max",
     ),
+    (
+        "restart on output failure",
+        with_changes(TINY_SPEC, remediation={"restartOnOutputFailure": True, "restartBackoffSeconds": 30}),
+        None,
+    ),
+    (
+        "restart backoff above its cap",
+        with_changes(TINY_SPEC, remediation={"restartBackoffSeconds": 600, "maxRestartBackoffSeconds": 300}),
+        "restartBackoffSeconds must be less than or equal to maxRestartBackoffSeconds",
+    ),
 ]
 
 

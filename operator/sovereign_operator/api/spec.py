@@ -389,6 +389,30 @@ class AutoscalingSpec(ApiModel):
     interval_seconds: int = Field(30, ge=5, le=3600, description="Seconds between two autoscaling decisions.")
 
 
+class RemediationSpec(ApiModel):
+    """What the operator may do on its own when pods misbehave. Everything is off by default."""
+
+    restart_on_output_failure: bool = Field(
+        False,
+        description="Delete a pod whose output self-test fails (OutputHealthy False), so a fresh start"
+        " re-compiles its kernels: one pod of a pool at a time, with exponential backoff.",
+    )
+    restart_backoff_seconds: int = Field(
+        60, ge=10, le=86400, description="Wait after the first restart; doubles after each further one."
+    )
+    max_restart_backoff_seconds: int = Field(
+        1800, ge=10, le=86400, description="Cap on the wait between restarts."
+    )
+
+    RULES = (
+        CrossFieldRule(
+            cel="self.restartBackoffSeconds <= self.maxRestartBackoffSeconds",
+            message="restartBackoffSeconds must be less than or equal to maxRestartBackoffSeconds",
+            holds=lambda r: r.restart_backoff_seconds <= r.max_restart_backoff_seconds,
+        ),
+    )
+
+
 # ---- the whole spec ----------------------------------------------------------------------------
 
 
@@ -422,6 +446,10 @@ class LLMDeploymentSpec(ApiModel):
     )
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="Deployment-wide autoscaler settings."
+    )
+    remediation: RemediationSpec = Field(
+        default_factory=RemediationSpec,
+        description="What the operator may do on its own when pods misbehave; everything off by default.",
     )
 
     RULES = (

@@ -59,15 +59,19 @@ class KubeLike(Protocol):
 
 
 def pool_replicas(
-    statefulset: Mapping[str, Any] | None, pods: list[dict[str, Any]], now: float
+    statefulset: Mapping[str, Any] | None,
+    pods: list[dict[str, Any]],
+    now: float,
+    output_failing: set[str] | frozenset[str] = frozenset(),
 ) -> PoolReplicas:
-    """Replica facts of one pool from its StatefulSet and pods (plain apiserver dicts)."""
+    """Replica facts of one pool from its StatefulSet and pods (plain apiserver dicts); pods named in
+    ``output_failing`` (their self-test fails) are counted apart, not as starting."""
     spec = (statefulset or {}).get("spec") or {}
     status = (statefulset or {}).get("status") or {}
     desired = int(spec.get("replicas") or 0)
     ready = sum(1 for p in pods if pod_is_ready(p))
     unschedulable_ages: list[float] = []
-    starting = 0
+    starting = failing = 0
     for p in pods:
         phase = (p.get("status") or {}).get("phase")
         scheduled = pod_condition(p, "PodScheduled")
@@ -82,7 +86,9 @@ def pool_replicas(
             )
             unschedulable_ages.append(max(0.0, now - since) if since else 0.0)
             continue
-        if not pod_is_ready(p):
+        if p["metadata"]["name"] in output_failing:
+            failing += 1
+        elif not pod_is_ready(p):
             starting += 1
     return PoolReplicas(
         desired=desired,
@@ -91,6 +97,7 @@ def pool_replicas(
         pending_unschedulable=len(unschedulable_ages),
         unschedulable_for=max(unschedulable_ages, default=0.0),
         starting=starting,
+        output_failing=failing,
     )
 
 
@@ -207,6 +214,9 @@ class AutoscaleController:
         self.pod_url = pod_url
         self.clock = clock
         self.scraper = PodScraper(timeout_s=scrape_timeout_s, clock=clock)
+        # (namespace, name) -> component -> pods whose output self-test fails (outputmonitor.py):
+        # started but serving nothing, so they count as neither capacity nor a scale-up in flight.
+        self.output_failing: Callable[[str, str], Mapping[str, set[str]]] | None = None
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -298,7 +308,10 @@ class AutoscaleController:
         configs: dict[str, PoolConfig] = {}
         for component, pool_bounds in bounds.items():
             pods = _pods_of(observed.pods, component)
-            replicas = pool_replicas(observed.statefulsets.get(component), pods, now)
+            failing = (
+                self.output_failing(namespace, name).get(component, set()) if self.output_failing else set()
+            )
+            replicas = pool_replicas(observed.statefulsets.get(component), pods, now, failing)
             previous = (old_pools.get(component) or {}).get("autoscaler")
             if component not in memory.states:
                 memory.states[component] = restore_state(previous, replicas, now)

@@ -409,7 +409,9 @@ def _stabilise(tick: _Tick, driver: SignalReading) -> _Windows:
     the largest of the down window. A window only counts once it is covered by history (also after
     an operator restart)."""
     config, state, now = tick.config, tick.state, tick.now
-    rec = _clamp(driver.recommendation, tick.lo, tick.hi)
+    # Signals size the pods that serve; a pod failing its output self-test holds a replica and serves
+    # nothing, so the pool needs one more replica for each while it fails.
+    rec = _clamp(driver.recommendation + tick.inp.replicas.output_failing, tick.lo, tick.hi)
     state.recommendations.append((now, rec))
     keep = max(config.scale_up_stabilization_s, config.scale_down_stabilization_s) + config.interval_s
     state.recommendations = [(t, r) for t, r in state.recommendations if t >= now - keep]
@@ -426,9 +428,10 @@ def _guarded(
 ) -> PoolDecision:
     """Stage 4: the guards between what the windows allow and the decision."""
     state, reps, prev = tick.state, tick.inp.replicas, tick.prev
-    # In-flight scale-up: done once enough pods are ready, or if we have since scaled below it.
+    # In-flight scale-up: done once enough pods are ready (or started and failing their self-test:
+    # they will not become ready by waiting), or if we have since scaled below it.
     if state.scale_up_target is not None and (
-        reps.ready >= state.scale_up_target or prev < state.scale_up_target
+        reps.ready + reps.output_failing >= state.scale_up_target or prev < state.scale_up_target
     ):
         state.scale_up_target = None
     if windows.up_to > prev:

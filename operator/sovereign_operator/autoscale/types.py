@@ -54,7 +54,9 @@ class PoolReplicas:
 
     ``desired`` is the replica count the StatefulSet currently asks for (last decision applied);
     ``pending_unschedulable`` counts pods the scheduler cannot place (typically: no free GPUs), and
-    ``unschedulable_for`` is how long the oldest of them has waited.
+    ``unschedulable_for`` is how long the oldest of them has waited; ``output_failing`` counts running
+    pods whose output self-test fails (out of the Service: the policy sizes the pool as if they were
+    absent).
     """
 
     desired: int
@@ -63,6 +65,8 @@ class PoolReplicas:
     pending_unschedulable: int = 0
     unschedulable_for: float = 0.0
     starting: int = 0
+    # Running pods whose output self-test fails: no capacity, and not a scale-up still starting.
+    output_failing: int = 0
 
 
 @dataclass(frozen=True)

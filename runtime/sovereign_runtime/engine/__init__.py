@@ -6,12 +6,13 @@ The engine itself: ``engine.LLMEngine`` (synchronous), ``async_engine.AsyncEngin
 thread for asyncio), ``remote_prefill`` (the decode side of disaggregation).
 """
 
-from .api import EngineStats, InvalidRequest, RequestOutput, SchedulerStats, TokenLogprob
+from .api import EngineStats, InvalidRequest, RequestFailed, RequestOutput, SchedulerStats, TokenLogprob
 from .sampling import SamplingParams
 
 __all__ = [
     "EngineStats",
     "InvalidRequest",
+    "RequestFailed",
     "RequestOutput",
     "SamplingParams",
     "SchedulerStats",

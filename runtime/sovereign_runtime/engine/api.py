@@ -25,6 +25,16 @@ class InvalidRequest(ValueError):
         self.rule = rule
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error that is not the client's: its logits turned non-finite
+    (``kind`` ``"nonfinite_logits"``) or its inputs raised inside an engine step (``"step_exception"``).
+    The other requests of the batch continue; the server answers this one with a 500."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -40,13 +50,16 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] | None  # one per new token when params.logprobs is set
     finished: bool
-    finish_reason: str | None  # "stop" (EOS or stop token), "length", "abort"
+    # "stop" (EOS or stop token), "length", "abort", or "error": the output repeated (repetition_window),
+    # or, with ``error`` set, the request failed (AsyncEngine raises RequestFailed for it)
+    finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0  # monotonic seconds, when the engine accepted the request
     first_token_time: float | None = None  # when the first output token was produced
     time: float = 0.0  # when this output was produced (ITL = difference between consecutive ones)
+    error: RequestFailed | None = None  # why the engine failed the request (finish_reason "error")
 
 
 @dataclass
@@ -69,3 +82,9 @@ class EngineStats(SchedulerStats):
     generation_tokens_total: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    # The output guard (engine/guard.py) and repetition detection.
+    nonfinite_logits_total: int = 0
+    precision_fallbacks_total: int = 0
+    precision_fallbacks_recovered_total: int = 0
+    isolated_exceptions_total: int = 0
+    degenerate_outputs_total: int = 0

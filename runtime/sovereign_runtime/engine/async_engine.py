@@ -109,11 +109,14 @@ class AsyncEngine:
 
     @staticmethod
     async def _relay(queue: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
-        """The engine thread's outputs for one request, up to and including the finished one."""
+        """The engine thread's outputs for one request, up to and including the finished one; a request the
+        engine failed (non-finite logits, an exception its inputs caused) raises ``RequestFailed``."""
         while True:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
+            if item.error is not None:
+                raise item.error
             yield item
             if item.finished:
                 return

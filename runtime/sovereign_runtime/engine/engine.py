@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from ..model import load_model
-from .api import EngineStats, InvalidRequest, RequestOutput, TokenLogprob
+from .api import EngineStats, InvalidRequest, RequestFailed, RequestOutput, TokenLogprob
 from .block_manager import KVLayout, plan_num_blocks
+from .guard import SequenceFailure, StepGuard
 from .model_runner import ModelRunner, PagedModel
-from .sampler import make_generator
+from .repetition import RepetitionDetector
+from .sampler import SamplerOutput, make_generator
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -57,12 +59,18 @@ class _LayerExport:
         hooks: dict[str, KVExportHook],
         targets: list[tuple[Sequence, KVExportHook, int, int]],
         layers: int,
+        exported: dict[str, int] | None = None,
     ) -> None:
         self.hooks, self.targets, self.layers = hooks, targets, layers
         self.next_layer = 0
+        # request id -> layers already exported in this engine step: when the output guard re-runs part
+        # of a step (an exception bisected, a float32 recompute), a layer is never sent twice.
+        self.exported = exported if exported is not None else {}
 
     @classmethod
-    def for_batch(cls, engine: LLMEngine, batch: ScheduledBatch) -> _LayerExport | None:
+    def for_batch(
+        cls, engine: LLMEngine, batch: ScheduledBatch, exported: dict[str, int] | None = None
+    ) -> _LayerExport | None:
         hooks = engine.kv_export_hooks
         targets = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -71,15 +79,18 @@ class _LayerExport:
                 # Positions this step writes; read before ``update`` advances num_computed_tokens.
                 targets.append((seq, hook, seq.num_computed_tokens, seq.num_computed_tokens + n))
         # Only the cache's layers are exported: an MTP layer the engine does not cache never reports.
-        return cls(hooks, targets, int(engine.runner.kv_cache.shape[0])) if targets else None
+        return cls(hooks, targets, int(engine.runner.kv_cache.shape[0]), exported) if targets else None
 
     def __call__(self, layer: int) -> None:
         if layer >= self.layers:
             return
         for target in list(self.targets):
             seq, hook, start, end = target
+            if layer < self.exported.get(seq.request_id, 0):
+                continue
             try:
                 hook(seq, layer, start, end)
+                self.exported[seq.request_id] = layer + 1
             except Exception:
                 self.targets.remove(target)
                 self.hooks.pop(seq.request_id, None)
@@ -152,6 +163,9 @@ class LLMEngine:
         # ``layer`` wrote the KV of positions ``[start, end)`` (copy the rows out before returning: the
         # next step may overwrite them). Set and cleared by sovereign_runtime.disagg.
         self.kv_export_hooks: dict[str, KVExportHook] = {}
+        # The output guard (engine/guard.py): finite logits per sequence, one request's failure its own.
+        self.guard = StepGuard(model, dtype)
+        self._guard_on = True
 
     @classmethod
     def from_model(cls, model: Any, config: EngineConfig | None = None) -> LLMEngine:
@@ -189,6 +203,8 @@ class LLMEngine:
             raise InvalidRequest("prompt", f"token ids must be in [0, {self.vocab_size})")
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_token_ids), len(prompt_token_ids), params)
         seq.generator = make_generator(params.seed, self.device)
+        if params.repetition_window:
+            seq.repetition = RepetitionDetector(params.repetition_window)
         self.scheduler.check_request(seq)
         return seq
 
@@ -217,30 +233,58 @@ class LLMEngine:
         return self.scheduler.has_work
 
     # ---- the loop -----------------------------------------------------------------------------------
+    def set_output_guard(self, enabled: bool) -> None:
+        """Turn the output guard off (True: on, the default). Only for measuring what it costs
+        (bench/output_guard.py): off, non-finite logits are sampled and an exception fails the batch."""
+        self._guard_on = enabled
+        self.runner.sampler.check_finite = enabled
+
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns an output per sequence that got a token."""
+        """Schedule, run the model once, sample; returns an output per sequence that got a token, and a
+        finished one (``finish_reason`` "error", ``error`` set) per sequence the guard failed."""
         sched = self.scheduler
         batch = sched.schedule()
         if not batch.seqs:
             return []
-        export = _LayerExport.for_batch(self, batch) if self.kv_export_hooks else None
-        out = self.runner.execute(batch, export)
-        if export is not None:
-            export.finish()  # layers the model did not report (a model without the callback)
-        sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
+        # Counted before the model runs: ``update`` advances num_computed_tokens.
         self.prompt_tokens_total += sum(
             min(n, s.num_prompt_tokens - s.num_computed_tokens)
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if s.num_computed_tokens < s.num_prompt_tokens
         )
+        exported: dict[str, int] = {}
+
+        def run(part: ScheduledBatch) -> SamplerOutput:
+            export = _LayerExport.for_batch(self, part, exported) if self.kv_export_hooks else None
+            out = self.runner.execute(part, export)
+            if export is not None:
+                export.finish()  # layers the model did not report (a model without the callback)
+            return out
+
+        if self._guard_on:
+            guarded = self.guard.execute(batch, run)
+            out, failures = guarded.out, guarded.failures
+        else:
+            out, failures = run(batch), {}
         now = time.monotonic()
+        outputs = [self._fail(seq, failure, now) for seq, failure in failures.items()]
+        # Failed sequences are finished now: update skips them, so they never get a token.
         sched.update(batch, out.token_ids, now)
-        outputs = []
+        sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
         for i, seq in enumerate(sampled):
+            if seq in failures:
+                continue
             lp = out.logprobs[i]
             logprob = None if lp is None else TokenLogprob(out.token_ids[i], lp, out.top_logprobs[i] or [])
             outputs.append(self.token_output(seq, out.token_ids[i], logprob, now))
         return outputs
+
+    def _fail(self, seq: Sequence, failure: SequenceFailure, now: float) -> RequestOutput:
+        """End ``seq`` with an error: blocks freed, nothing cached from it, no token."""
+        self.scheduler.abort(seq.request_id, reason="error")
+        out = self.request_output(seq, [], None, now)
+        out.error = RequestFailed(failure.kind, failure.message)
+        return out
 
     def token_output(
         self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
@@ -287,6 +331,11 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             num_blocks=self.scheduler.pool.num_blocks,
             block_size=self.scheduler.block_size,
+            nonfinite_logits_total=self.guard.stats.nonfinite_logits_total,
+            precision_fallbacks_total=self.guard.stats.precision_fallbacks_total,
+            precision_fallbacks_recovered_total=self.guard.stats.precision_fallbacks_recovered_total,
+            isolated_exceptions_total=self.guard.stats.isolated_exceptions_total,
+            degenerate_outputs_total=self.scheduler.num_degenerate,
         )
 
 

@@ -9,13 +9,16 @@ the end of their known tokens (finished prompts and decodes), never for mid-prom
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..model.context import AttentionMetadata, attention_context
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from ..model.faults import FaultInjector
 
 
 class PagedModel(Protocol):
@@ -48,6 +51,8 @@ class ModelRunner:
         )
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler()
+        # Test-only fault injection (sovereign_runtime.model.faults), told each forward's sequences.
+        self.faults: FaultInjector | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flattened input ids, the attention metadata, and the rows whose logits are needed."""
@@ -121,6 +126,12 @@ class ModelRunner:
         ``after_layer(i)`` (optional) is called by the model once decoder layer ``i`` has written its KV.
         """
         ids, meta, logit_rows = self.prepare(batch)
+        if self.faults is not None:
+            self.faults.begin_step(
+                [s.request_id for s in batch.seqs],
+                [s.num_computed_tokens for s in batch.seqs],
+                batch.num_new_tokens,
+            )
         meta.after_layer = after_layer
         with attention_context(meta):
             hidden = self.model(ids, meta.positions)

@@ -3,6 +3,10 @@
 One call handles a whole batch with tensor ops; the only per-row Python work is drawing the noise for
 seeded requests from their own ``torch.Generator`` (that is what makes a seeded request reproducible
 regardless of what it is batched with).
+
+The output guard rides on the one device->host copy the sampler already makes: each row's logits are
+checked for finiteness on the device and a non-finite row comes back as token ``NONFINITE`` in the same
+``tolist()``, so the check adds one reduction and no extra synchronisation.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams
+
+# Token id reported for a row whose logits were not finite (never a real token: embedding lookups reject it).
+NONFINITE = -1
 
 
 @dataclass
@@ -23,8 +30,16 @@ class SamplerOutput:
     # The ``params.logprobs`` most likely (token, logprob) pairs per row, or None.
     top_logprobs: list[list[tuple[int, float]] | None]
 
+    def nonfinite_rows(self) -> list[int]:
+        """Rows whose logits were not finite (their token is ``NONFINITE``, never a sampled one)."""
+        return [i for i, t in enumerate(self.token_ids) if t == NONFINITE]
+
 
 class Sampler:
+    def __init__(self, check_finite: bool = True) -> None:
+        # Off only to measure what the check costs (bench); serving always checks.
+        self.check_finite = check_finite
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -36,7 +51,13 @@ class Sampler:
         assert len(params) == rows == len(generators)
         greedy = [p.temperature == 0.0 for p in params]
         chosen = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, params, generators, greedy)
-        token_ids = chosen.tolist()
+        if self.check_finite:
+            # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; finite logits of
+            # any sane model are far from fp32 overflow): one reduction, no [rows, vocab] mask.
+            finite = torch.isfinite(logits.sum(dim=-1))
+            token_ids = torch.where(finite, chosen, NONFINITE).tolist()
+        else:
+            token_ids = chosen.tolist()
 
         want = [p.logprobs for p in params]
         logprobs: list[float | None] = [None] * rows

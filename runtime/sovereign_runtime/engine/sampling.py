@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .api import InvalidRequest
+from .repetition import check_window
 
 # Generous but finite: a client asking for more is almost certainly a bug.
 MAX_TOKENS_LIMIT = 1 << 20
@@ -33,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    # End the request (finish_reason "error") once its last N tokens repeat a pattern of <= 8 tokens;
+    # 0: off (engine/repetition.py).
+    repetition_window: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +74,7 @@ class SamplingParams:
             _check_number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_window(self.repetition_window)
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,7 @@ class Scheduler:
         # Remote prefill (disaggregation): blocks held for a prompt whose KV another instance computes.
         self.reserved: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_degenerate = 0  # requests ended by repetition detection
 
     # ---- requests -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -99,8 +100,9 @@ class Scheduler:
                 f"{self.pool.num_blocks * self.block_size}",
             )
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Stop a request now and free its blocks; returns it, or None if unknown or already finished."""
+    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
+        """Stop a request now and free its blocks (its pages are not cached: their content may be what
+        failed); returns it, or None if unknown or already finished. ``reason``: its finish_reason."""
         seq = self.requests.get(request_id)
         if seq is None:
             return None
@@ -110,7 +112,7 @@ class Scheduler:
             else:
                 self.waiting.remove(seq)
         self._release(seq, cache_pages=False)
-        self._finish(seq, "abort")
+        self._finish(seq, reason)
         return seq
 
     @property
@@ -198,8 +200,12 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Called once per new output token (already appended)."""
         p = seq.params
         n_out = seq.num_output_tokens
+        if seq.repetition is not None and seq.repetition.feed(token):
+            self.num_degenerate += 1
+            return "error"  # degenerate output: the last repetition_window tokens repeat one pattern
         if n_out >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):

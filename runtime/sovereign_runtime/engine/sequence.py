@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .radix_cache import RadixNode
+from .repetition import RepetitionDetector
 from .sampling import SamplingParams
 
 
@@ -37,6 +38,8 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Set when params.repetition_window > 0: follows the output to end a degenerate one.
+    repetition: RepetitionDetector | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,9 @@ dequantises it on each call; a fused block-FP8 GEMM would replace that step on G
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,12 +46,18 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(
             torch.empty(rows, cols, dtype=torch.float32), requires_grad=False
         )
+        # None: compute in the activations' dtype (serving). The output guard sets float32 for one
+        # recompute of a sequence whose logits were not finite (``reference_precision``).
+        self.compute_dtype: torch.dtype | None = None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype))
+        dtype = self.compute_dtype
+        if dtype is None or dtype == x.dtype:
+            return F.linear(x, self.dense_weight(x.dtype))
+        return F.linear(x.to(dtype), self.dense_weight(dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
@@ -72,3 +81,19 @@ def swap_in_fp8_linears(model: nn.Module, names: set[str], block: tuple[int, int
             setattr(parent, attr, Fp8Linear(old.in_features, old.out_features, block))
             swapped += 1
     return swapped
+
+
+def fp8_linears(model: nn.Module) -> list[Fp8Linear]:
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+@contextlib.contextmanager
+def reference_precision(linears: list[Fp8Linear]) -> Iterator[None]:
+    """Within the block the FP8 linears dequantise to float32 and compute in float32 (the slow path)."""
+    for m in linears:
+        m.compute_dtype = torch.float32
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.compute_dtype = None

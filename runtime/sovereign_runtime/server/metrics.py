@@ -7,7 +7,8 @@ scrape time by a custom collector, so they are never stale. Each app gets its ow
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,8 +16,8 @@ from prometheus_client.registry import Collector
 
 from ..engine.api import EngineStats
 
-STARTUP_PHASES = ("loading_weights", "compiling", "warming_up", "ready", "failed")
-FINISHED_REASONS = ("stop", "length", "abort")
+STARTUP_PHASES = ("loading_weights", "compiling", "warming_up", "self_test", "ready", "failed")
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)  # fmt: skip
@@ -43,14 +44,41 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Prompt tokens looked up in the radix prefix cache.",
     ),
     "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the radix prefix cache."),
+    "sovereign:nonfinite_logits_total": (
+        "nonfinite_logits_total",
+        "Requests ended with an error because their logits were not finite (NaN or infinity).",
+    ),
+    "sovereign:precision_fallbacks_total": (
+        "precision_fallbacks_total",
+        "Non-finite sequences recomputed once with FP8 weights dequantised to float32.",
+    ),
+    "sovereign:precision_fallbacks_recovered_total": (
+        "precision_fallbacks_recovered_total",
+        "Precision fallbacks whose float32 recompute was finite (the request continued).",
+    ),
+    "sovereign:degenerate_outputs_total": (
+        "degenerate_outputs_total",
+        "Requests ended with finish_reason error because their output repeated (repetition_window).",
+    ),
+    "sovereign:isolated_step_exceptions_total": (
+        "isolated_exceptions_total",
+        "Requests ended alone by an engine-step exception their inputs caused (the batch continued).",
+    ),
 }
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None], phase: Callable[[], str]):
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        phase: Callable[[], str],
+        self_test: Callable[[], Mapping[str, Any] | None] | None = None,
+    ):
         self._model = model_name
         self._stats = stats
         self._phase = phase
+        self._self_test = self_test
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()  # None until the model is loaded: every engine figure reads 0
@@ -81,6 +109,57 @@ class _EngineCollector(Collector):
         for p in STARTUP_PHASES:
             phase.add_metric([self._model, p], 1.0 if p == current else 0.0)
         yield phase
+        if self._self_test is not None:
+            yield from self._self_test_metrics(self._self_test())
+
+    def _self_test_metrics(self, health: Mapping[str, Any] | None) -> Iterator[Metric]:
+        """The output self-test (``ServerState.self_test_health``): last result, per check, run counts."""
+        if not health:
+            return
+        m = self._model
+        runs = CounterMetricFamily(
+            "sovereign:self_test_runs", "Output self-tests run (startup and periodic).", labels=["model_name"]
+        )
+        runs.add_metric([m], float(health.get("runs", 0)))
+        yield runs
+        skipped = CounterMetricFamily(
+            "sovereign:self_test_skipped",
+            "Periodic self-tests skipped because real requests saturated the engine.",
+            labels=["model_name"],
+        )
+        skipped.add_metric([m], float(health.get("skipped", 0)))
+        yield skipped
+        failures = CounterMetricFamily(
+            "sovereign:self_test_failures",
+            "Failed self-test checks, by check.",
+            labels=["model_name", "check"],
+        )
+        for check, n in sorted((health.get("failures") or {}).items()):
+            failures.add_metric([m, check], float(n))
+        yield failures
+        last = health.get("last")
+        if not last:
+            return
+        passing = GaugeMetricFamily(
+            "sovereign:self_test_passing",
+            "1 while the last output self-test passed (/health/ready follows it), else 0.",
+            labels=["model_name"],
+        )
+        passing.add_metric([m], 1.0 if last.get("passed") else 0.0)
+        yield passing
+        per_check = GaugeMetricFamily(
+            "sovereign:self_test_check_passing",
+            "1 per check of the last self-test that passed, 0 for the failing one.",
+            labels=["model_name", "check"],
+        )
+        for c in last.get("checks", []):
+            per_check.add_metric([m, str(c.get("name"))], 1.0 if c.get("passed") else 0.0)
+        yield per_check
+        duration = GaugeMetricFamily(
+            "sovereign:self_test_duration_seconds", "Duration of the last self-test.", labels=["model_name"]
+        )
+        duration.add_metric([m], float(last.get("duration_s", 0.0)))
+        yield duration
 
 
 class ServerMetrics:
@@ -89,6 +168,7 @@ class ServerMetrics:
         model_name: str,
         stats: Callable[[], EngineStats | None],
         phase: Callable[[], str],
+        self_test: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -129,7 +209,7 @@ class ServerMetrics:
         )
         for reason in FINISHED_REASONS:
             self._success.labels(model_name, reason)
-        r.register(_EngineCollector(model_name, stats, phase))
+        r.register(_EngineCollector(model_name, stats, phase, self_test))
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:
         # A step that returns k tokens at once (e.g. speculative decoding) counts k equal gaps.

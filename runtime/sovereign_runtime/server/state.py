@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,6 +41,10 @@ class LoadedRuntime:
     on_loop_start: Callable[[], Any] | None = None
     # Optional release hook called at shutdown (e.g. engine.shutdown()).
     close: Callable[[], Any] | None = None
+    # Optional output self-test: a coroutine function returning a report's JSON (``passed``,
+    # ``failing_check``, ``reason``, ``checks``), and whether real requests saturate the engine now.
+    self_test: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    saturated: Callable[[], bool] | None = None
 
 
 Loader = Callable[[ProgressFn], LoadedRuntime]
@@ -63,6 +67,12 @@ class ServerState:
         self.drain_requested = asyncio.Event()
         self.startup_task: asyncio.Task[None] | None = None
         self.stop_requested = asyncio.Event()
+        # The output self-test (sovereign_runtime.engine.selftest): the last report's JSON (None until one
+        # ran, or when the self-test is off), and counts for the metrics.
+        self.self_test: dict[str, Any] | None = None
+        self.self_test_runs = 0
+        self.self_test_skipped = 0
+        self.self_test_failures: dict[str, int] = {}
 
     def report(self, phase: str, progress: float, detail: str = "") -> None:
         with self._lock:
@@ -80,11 +90,50 @@ class ServerState:
             body["elapsed_s"] = round(time.time() - self.started_at, 3)
             if self.error:
                 body["error"] = self.error
+            if self.self_test is not None:
+                body["self_test"] = self.self_test
             return body
 
     @property
-    def ready(self) -> bool:
+    def started(self) -> bool:
+        """Startup is over (weights loaded, kernels warm, first self-test run)."""
         return self.phase == "ready" and self.runtime is not None
+
+    @property
+    def output_healthy(self) -> bool:
+        """The last self-test passed (or none is configured)."""
+        return self.self_test is None or bool(self.self_test.get("passed"))
+
+    @property
+    def ready(self) -> bool:
+        return self.started and self.output_healthy
+
+    @property
+    def output_failure(self) -> str | None:
+        """The failing check and why, while the last self-test failed."""
+        if self.output_healthy or self.self_test is None:
+            return None
+        return str(self.self_test.get("reason") or "self-test failed")
+
+    def record_self_test(self, report: dict[str, Any]) -> None:
+        was_healthy = self.output_healthy
+        self.self_test = report
+        self.self_test_runs += 1
+        failing = report.get("failing_check")
+        if failing:
+            self.self_test_failures[failing] = self.self_test_failures.get(failing, 0) + 1
+            log.error("output self-test failed: %s; /health/ready answers 503", report.get("reason"))
+        elif not was_healthy:
+            log.warning("output self-test passes again; /health/ready answers 200")
+
+    def self_test_health(self) -> dict[str, Any]:
+        """What the metrics report about the self-test."""
+        return {
+            "runs": self.self_test_runs,
+            "skipped": self.self_test_skipped,
+            "failures": dict(self.self_test_failures),
+            "last": self.self_test,
+        }
 
     def request_started(self) -> None:
         self.in_flight += 1
