@@ -27,6 +27,27 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS")
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument(
+        "--failure-threshold",
+        type=int,
+        default=3,
+        metavar="N",
+        help="a worker's own failures in a row (connect errors, timeouts, failed checks) that take it out",
+    )
+    parser.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a worker stays out before one trial request (doubles while trials fail, up to 60 s)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="larger request bodies get 413",
+    )
+    parser.add_argument(
         "--disaggregation-threshold",
         type=int,
         default=512,
@@ -51,6 +72,12 @@ def validate_router_args(args: argparse.Namespace) -> str | None:
         return "router: --namespace is required with --*-service discovery"
     if args.max_attempts < 1:
         return "router: --max-attempts must be at least 1"
+    if args.failure_threshold < 1:
+        return "router: --failure-threshold must be at least 1"
+    if args.breaker_cooldown <= 0:
+        return "router: --breaker-cooldown must be positive"
+    if args.max_body_bytes < 1024:
+        return "router: --max-body-bytes must be at least 1024"
     return None
 
 
@@ -60,6 +87,9 @@ def run_router(args: argparse.Namespace) -> None:
         policy=args.policy,
         health_interval_s=args.health_interval,
         max_attempts=args.max_attempts,
+        failure_threshold=args.failure_threshold,
+        breaker_cooldown_s=args.breaker_cooldown,
+        max_body_bytes=args.max_body_bytes,
         disaggregation_threshold_chars=args.disaggregation_threshold,
         static_members={"worker": args.worker, "prefill": args.prefill, "decode": args.decode},
     )
