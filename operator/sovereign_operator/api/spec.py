@@ -373,10 +373,31 @@ class RDMASpec(ApiModel):
     )
 
 
+class NetworkPolicySpec(ApiModel):
+    """Who may reach the deployment's pods. Workers take HTTP only from the router, the operator and
+    the deployment's own decode pods (remote prefill), the KV port only from its prefill/decode pods."""
+
+    enabled: bool = Field(True, description="Render NetworkPolicies (they need a CNI that enforces them).")
+    router_from: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=32,
+        description="NetworkPolicyPeers that may reach the router; default: every pod of the namespace.",
+    )
+    metrics_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Extra NetworkPolicyPeers that may reach the workers' HTTP port, e.g. Prometheus"
+        " scraping /metrics (the port also serves the API: grant it to scrapers only).",
+    )
+
+
 class NetworkingSpec(ApiModel):
-    """How prefill and decode pods reach each other."""
+    """How pods reach each other: RDMA for the KV transfer, and who may reach which pod."""
 
     rdma: RDMASpec = Field(default_factory=RDMASpec, description="RDMA for the KV-cache transfer.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="The NetworkPolicies rendered for the pods."
+    )
 
 
 class PVCRef(ApiModel):
