@@ -467,10 +467,10 @@ def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) ->
 def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> dict[str, Any]:
     router = spec.router
     resources = merged_resources(ROUTER_DEFAULT_RESOURCES_MODEL, router.resources)
-    if router.resources is not None and "memory" in router.resources.requests:
+    own = router.resources
+    if own is not None and "memory" in own.requests and "memory" not in own.limits:
         # A memory request of the spec's own must not exceed the default limit: limit = request.
-        if "memory" not in router.resources.limits:
-            resources["limits"]["memory"] = router.resources.requests["memory"]
+        resources["limits"]["memory"] = own.requests["memory"]
     container = {
         "name": "router",
         "image": spec.runtime.image,
