@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -130,15 +131,6 @@ def test_breaker_opens_half_opens_for_one_trial_and_backs_off() -> None:
     breaker.begin_attempt()
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0
-
-
-def test_breaker_half_opens_at_once_when_a_health_check_gets_through() -> None:
-    clock = FakeClock()
-    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=60, clock=clock)
-    breaker.record_failure(FailureKind.CONNECT)
-    assert breaker.state is BreakerState.OPEN
-    breaker.record_probe_success()
-    assert breaker.state is BreakerState.HALF_OPEN
 
 
 def test_a_client_hanging_up_ends_a_half_open_trial_without_a_verdict() -> None:
@@ -451,6 +443,36 @@ def test_a_broken_worker_comes_back_through_a_half_open_trial() -> None:
                 async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
                     assert (await resp.json())["worker"] == "w"
                 assert state.state is BreakerState.CLOSED
+
+    run(scenario())
+
+
+def test_a_worker_that_starts_late_serves_everyone_once_its_health_check_answers() -> None:
+    async def scenario() -> None:
+        with socket.socket() as sock:  # a port nobody listens on yet: connection refused
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        url_w = f"http://127.0.0.1:{port}"
+        async with router_over({"worker": [url_w]}, failure_threshold=2) as (url, router):
+            for _ in range(3):
+                await router.check_all()
+            assert router.pool.get(url_w).breaker.state is BreakerState.OPEN  # type: ignore[union-attr]
+            worker = StubWorker("late")
+            runner = web.AppRunner(worker.app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            try:
+                await router.check_all()
+                # Closed, not half-open: one long trial request would hold everybody else off.
+                async with aiohttp.ClientSession() as client:
+                    statuses = await asyncio.gather(
+                        *(client.post(f"{url}/v1/completions", json={"prompt": "x"}) for _ in range(4))
+                    )
+                    assert [r.status for r in statuses] == [200] * 4
+                    for r in statuses:
+                        r.close()
+            finally:
+                await runner.cleanup()
 
     run(scenario())
 

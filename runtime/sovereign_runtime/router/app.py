@@ -204,7 +204,7 @@ class Router:
             ) as resp:
                 # 503 means starting or draining: alive, but no new work.
                 worker.ready = resp.status == 200
-                worker.breaker.record_probe_success()
+                self.pool.record_success(worker)
         except TimeoutError:
             now = loop.time()
             own_lateness = max(timer_lateness(started, now, timeout_s), self.lag.lag_since(started, now))

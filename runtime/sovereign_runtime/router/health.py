@@ -4,7 +4,8 @@ Only a worker's own failures count (refused or dropped connections, timeouts, fa
 Anything the worker answered with proves it alive: a 4xx, a 500 caused by one bad request, a client that
 hung up. After `failure_threshold` failures in a row the breaker opens (no traffic); after a cooldown it
 half-opens and lets one trial request through, whose outcome closes it again or re-opens it for a
-longer cooldown. A timeout measured while the router itself was late (a CPU-starved event loop) says
+longer cooldown. A health check that gets an answer closes it at once: the worker's own readiness
+endpoint is the better trial (a trial request may take minutes, and holds every other request off). A timeout measured while the router itself was late (a CPU-starved event loop) says
 nothing about the worker and is not counted.
 """
 
@@ -72,15 +73,6 @@ class CircuitBreaker:
         self._opened_at = None
         self._cooldown = self.cooldown_s
         self._trial_in_flight = False
-
-    def record_probe_success(self) -> None:
-        """A health check got through: an open breaker half-opens so that one real request decides."""
-        if self.state is BreakerState.OPEN:
-            assert self._opened_at is not None
-            self._opened_at = self.clock() - self._cooldown
-        elif self.state is BreakerState.CLOSED:
-            self.consecutive_failures = 0
-            self.only_timeouts = True
 
     def record_failure(self, kind: FailureKind, may_open: bool = True) -> None:
         """Count one failure; `may_open=False` counts it without taking the worker out (the pool's call)."""
