@@ -104,6 +104,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--api-key-file", metavar="PATH", help="file holding the API key (else $SOVEREIGN_API_KEY)"
     )
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0, metavar="SECONDS")
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=8 * 1024 * 1024,
+        metavar="BYTES",
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="admitted requests not yet running; past this new ones get 429 with Retry-After",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--speculative-algorithm", choices=("mtp",), help="speculative decoding (not yet used)")
@@ -212,6 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         warmup=not args.no_warmup,
         model_root=args.model,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:
