@@ -212,3 +212,22 @@ def test_a_full_waiting_queue_answers_429_with_retry_after(tokenizer: Tokenizer)
         assert f'sovereign:requests_rejected_total{{model_name="{MODEL}",reason="queue_full"}} 1.0' in metrics
     finally:
         srv.close()
+
+
+def test_the_prestop_drain_hook_authenticates_with_the_api_key(tokenizer: Tokenizer) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from sovereign_operator.render.children import DRAIN_SCRIPT, RUNTIME_PORT
+    from sovereign_runtime.server.app import STATE
+
+    srv = _serve(_engine(tokenizer), tokenizer, api_key="secret")
+    try:
+        script = DRAIN_SCRIPT.replace(f"127.0.0.1:{RUNTIME_PORT}", f"127.0.0.1:{srv.port}")
+        env = {**os.environ, "SOVEREIGN_API_KEY": "secret"}
+        subprocess.run([sys.executable, "-c", script, "5"], env=env, check=True, timeout=30)
+        # Without the key the POST /drain got a silent 401 and the pod was killed undrained.
+        assert srv.app[STATE].draining
+    finally:
+        srv.close()

@@ -64,11 +64,14 @@ WORKER_SCRATCH = (("tmp", "/tmp"), ("home-cache", "/home/sovereign/.cache"))
 # The preStop hook: ask the runtime to drain, then wait until nothing runs or queues. It only
 # uses the runtime's contract (POST /drain, the vLLM request gauges on /metrics) and python3.
 DRAIN_SCRIPT = """\
-import sys, time, urllib.request
+import os, sys, time, urllib.request
 base = "http://127.0.0.1:RUNTIME_PORT"
 deadline = time.monotonic() + float(sys.argv[1])
+# /drain takes the API key like the API does (else a silent 401 and no drain).
+key = os.environ.get("SOVEREIGN_API_KEY")
+auth = {"Authorization": "Bearer " + key} if key else {}
 try:
-    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST"), timeout=5)
+    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST", headers=auth), timeout=5)
 except Exception:
     pass
 gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")

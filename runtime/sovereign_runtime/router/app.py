@@ -39,8 +39,16 @@ from .policy import (
 
 log = logging.getLogger(__name__)
 
-# Headers that describe one hop and must not be forwarded.
-_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# Headers that describe one hop, or that only the router may set, and are never forwarded from clients.
+INTERNAL_TOKEN_HEADER = "X-Sovereign-Internal-Token"
+_HOP_HEADERS = {
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    INTERNAL_TOKEN_HEADER.lower(),
+}
 # Request fields only the router may set: a client's value would let it pick the URL a decode worker
 # POSTs the prompt and its KV ticket to.
 ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
@@ -66,6 +74,9 @@ class RouterConfig:
     # counted: the router was too busy to read the answer, the worker may be fine.
     health_lag_tolerance: float = 0.25
     max_body_bytes: int = 64 * 1024 * 1024
+    # The deployment's shared secret: sent to decode workers so they honour the router's
+    # kv_transfer_params (and no client's).
+    internal_token: str | None = None
     # In prefill/decode mode, prompts shorter than this (in characters, the router sees no tokens)
     # with no cached prefix are prefilled on the decode worker: a transfer would cost more than it saves.
     disaggregation_threshold_chars: int = 512
@@ -292,16 +303,18 @@ class Router:
                 self.metrics.retries.inc()
             worker = self.policies[role].choose(candidates, key)
             tried.add(worker.url)
-            send_body = body
+            send_body, send_headers = body, headers
             if payload is not None and role == "decode":
                 send_body = self._with_transfer_params(payload, key, worker)
+                if self.config.internal_token:
+                    send_headers = {**headers, INTERNAL_TOKEN_HEADER: self.config.internal_token}
             worker.in_flight += 1
             worker.breaker.begin_attempt()
             self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
             response: web.StreamResponse | None = None
             try:
                 async with self._session.request(
-                    method, worker.url + path, data=send_body or None, headers=headers
+                    method, worker.url + path, data=send_body or None, headers=send_headers
                 ) as upstream:
                     if upstream.status in (429, 503):
                         # Busy (429), starting or draining (503): alive, but try another worker before

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+from pathlib import Path
 
 from aiohttp import web
 
@@ -39,6 +41,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         metavar="SECONDS",
         help="how long a worker stays out before one trial request (doubles while trials fail, up to 60 s)",
+    )
+    parser.add_argument(
+        "--internal-token-file",
+        metavar="PATH",
+        help="the deployment's internal token, sent to decode workers (else $SOVEREIGN_INTERNAL_TOKEN)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -81,6 +88,19 @@ def validate_router_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def read_secret(path: str | None, env: str, flag: str) -> str | None:
+    """A secret from a file (stripped), else from the environment, else None."""
+    if path:
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise SystemExit(f"router: {flag} {path}: {exc.strerror or exc}") from None
+        if not value:
+            raise SystemExit(f"router: {flag} {path}: the file is empty")
+        return value
+    return os.environ.get(env) or None
+
+
 def run_router(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RouterConfig(
@@ -90,6 +110,9 @@ def run_router(args: argparse.Namespace) -> None:
         failure_threshold=args.failure_threshold,
         breaker_cooldown_s=args.breaker_cooldown,
         max_body_bytes=args.max_body_bytes,
+        internal_token=read_secret(
+            args.internal_token_file, "SOVEREIGN_INTERNAL_TOKEN", "--internal-token-file"
+        ),
         disaggregation_threshold_chars=args.disaggregation_threshold,
         static_members={"worker": args.worker, "prefill": args.prefill, "decode": args.decode},
     )
