@@ -11,7 +11,7 @@ import yaml
 
 from sovereign_operator import yamlio
 from sovereign_operator.api import custom_resource_definition
-from sovereign_operator.api.document import InvalidDeployment, parse_document
+from sovereign_operator.api.document import InvalidDeployment, check_namespace, parse_document
 from sovereign_operator.leadership import LeaseTiming
 from sovereign_operator.main import LeaderElection, run_operator
 from sovereign_operator.render import ClusterFacts, DeploymentRef, OperatorDefaults, render
@@ -26,15 +26,29 @@ def _cmd_crd(_: argparse.Namespace) -> int:
 
 
 def _read(path: str) -> str:
-    return sys.stdin.read() if path == "-" else Path(path).read_text()
+    """The file's text; raises UnicodeDecodeError for bytes that are not UTF-8 (as YAML requires)."""
+    raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    return raw.decode("utf-8")
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
     try:
         documents = yamlio.load_all(_read(args.file))
+    except UnicodeDecodeError as error:
+        print(
+            f"error: {args.file}: not UTF-8 text: byte {error.start} is {error.object[error.start]:#04x}",
+            file=sys.stderr,
+        )
+        return 2
     except (OSError, yaml.YAMLError) as error:
         print(f"error: {args.file}: cannot read YAML: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
+    if args.namespace is not None:
+        try:
+            check_namespace(args.namespace, "--namespace")
+        except InvalidDeployment as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if not documents:
         print(f"error: {args.file}: no LLMDeployment documents", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from lightkube import ApiError, AsyncClient, codecs
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.core_v1 import Node, Pod, Service
+from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
@@ -24,7 +25,7 @@ FIELD_MANAGER = MANAGED_BY
 
 LLMDeploymentResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
-_PRUNABLE = (StatefulSet, Service, PodDisruptionBudget)
+_PRUNABLE = (StatefulSet, Service, PodDisruptionBudget, NetworkPolicy)
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:

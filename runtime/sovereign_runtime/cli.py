@@ -127,6 +127,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--api-key-file", metavar="PATH", help="file holding the API key (else $SOVEREIGN_API_KEY)"
     )
     p.add_argument("--drain-timeout", type=_positive_float, default=30.0, metavar="SECONDS")
+    p.add_argument(
+        "--internal-token-file",
+        metavar="PATH",
+        help="the deployment's internal token (else $SOVEREIGN_INTERNAL_TOKEN): decode honours"
+        " kv_transfer_params and prefill answers /v1/internal/prefill only from peers sending it",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=8 * 1024 * 1024,
+        metavar="BYTES",
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="admitted requests not yet running; past this new ones get 429 with Retry-After",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     guard = p.add_argument_group("output guard (docs/troubleshooting.md)")
@@ -198,15 +218,20 @@ def resolve_model(spec: str) -> Path:
 
 
 def read_api_key(api_key_file: str | None) -> str | None:
-    if api_key_file:
+    return read_secret(api_key_file, "SOVEREIGN_API_KEY", "--api-key-file")
+
+
+def read_secret(path: str | None, env: str, flag: str) -> str | None:
+    """A secret from a file (stripped), else from the environment, else None."""
+    if path:
         try:
-            key = Path(api_key_file).read_text(encoding="utf-8").strip()
+            value = Path(path).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror or exc}") from None
-        if not key:
-            raise UsageError(f"--api-key-file {api_key_file}: the file is empty")
-        return key
-    return os.environ.get("SOVEREIGN_API_KEY") or None
+            raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
+        if not value:
+            raise UsageError(f"{flag} {path}: the file is empty")
+        return value
+    return os.environ.get(env) or None
 
 
 def kv_advertise_host(flag: str | None, host: str) -> str:
@@ -283,6 +308,8 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         warmup=not args.no_warmup,
         model_root=args.model,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:
@@ -298,6 +325,10 @@ def run_serve(args: argparse.Namespace) -> int:
             advertise_host=kv_advertise_host(args.kv_advertise_host, args.host),
             transfer_timeout_s=args.kv_transfer_timeout,
             idle_timeout_s=min(10.0, args.kv_transfer_timeout),
+            internal_token=read_secret(
+                args.internal_token_file, "SOVEREIGN_INTERNAL_TOKEN", "--internal-token-file"
+            ),
+            api_key=api_key,
         ),
         name,
     )

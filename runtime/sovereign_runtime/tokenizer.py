@@ -7,6 +7,7 @@ request: token ids -> ``IncrementalDetokenizer`` -> ``StopStringMatcher`` -> ``R
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -164,8 +165,17 @@ class Tokenizer:
             )
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # A conversation the template cannot render (a missing or null field it expects) is the
+            # client's to fix, never a server error.
+            raise ChatTemplateError(
+                f"chat template failed to render: {exc.__class__.__name__}: {exc}"
+            ) from exc
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 length of the longest vocabulary entry: no token covers more bytes of text than this."""
+        return max((len(t.encode("utf-8")) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -181,6 +181,33 @@ CASES = [
         cel=True,
     ),
     Case(
+        "max-replicas-int32-overflow",
+        patched(GPU_SPEC, "decode", {"autoscaling": {"maxReplicas": 1_000_000_000_000}}),
+        "spec.decode.autoscaling.maxReplicas",
+        "should be less than or equal to 1024",
+    ),
+    Case(
+        "quantity-negative-int",
+        patched(CPU_SPEC, "runtime.resources", {"requests": {"cpu": -4}}),
+        "spec.runtime.resources.requests[cpu]",
+        "must be a non-negative Kubernetes quantity",
+        cel=True,
+    ),
+    Case(
+        "quantity-shell-string",
+        patched(CPU_SPEC, "router.resources", {"limits": {"memory": "2Gi; rm -rf"}}),
+        "spec.router.resources.limits[memory]",
+        "must be a non-negative Kubernetes quantity",
+        cel=True,
+    ),
+    Case(
+        "pvc-path-inside-the-volume",
+        patched(GPU_SPEC, "model.source", {"pvc": {"claimName": "w", "path": "../../../etc"}}),
+        "spec.model.source.pvc",
+        "path must stay inside the volume: no '..' segments",
+        cel=True,
+    ),
+    Case(
         "ratio-min-le-max",
         patched(GPU_SPEC, "autoscaling", {"prefillDecodeRatio": {"min": 2, "max": 1}}),
         "spec.autoscaling.prefillDecodeRatio",

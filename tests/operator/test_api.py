@@ -114,6 +114,9 @@ def _cel_violations(schema: dict[str, Any], value: Any, env: celpy.Environment) 
         for name, sub in schema.get("properties", {}).items():
             if name in value:
                 messages += _cel_violations(sub, value[name], env)
+        if isinstance(schema.get("additionalProperties"), dict):
+            for item in value.values():
+                messages += _cel_violations(schema["additionalProperties"], item, env)
     if isinstance(value, list) and "items" in schema:
         for item in value:
             messages += _cel_violations(schema["items"], item, env)
@@ -177,6 +180,50 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         with_changes(TINY_SPEC, remediation={"restartBackoffSeconds": 600, "maxRestartBackoffSeconds": 300}),
         "restartBackoffSeconds must be less than or equal to maxRestartBackoffSeconds",
     ),
+    (
+        "negative cpu",
+        with_changes(TINY_SPEC, runtime={"resources": {"requests": {"cpu": -4}}}),
+        "non-negative Kubernetes quantity",
+    ),
+    (
+        "memory with a shell command",
+        with_changes(TINY_SPEC, runtime={"resources": {"limits": {"memory": "2Gi; rm -rf"}}}),
+        "non-negative Kubernetes quantity",
+    ),
+    (
+        "negative quantity string",
+        with_changes(DEEPSEEK_SPEC, decode={"replicas": 1, "resources": {"requests": {"memory": "-1Gi"}}}),
+        "non-negative Kubernetes quantity",
+    ),
+    (
+        "emptyDir size not a quantity",
+        with_changes(TINY_SPEC, startup={"jitCache": {"emptyDir": {"sizeLimit": "lots"}}}),
+        "non-negative Kubernetes quantity",
+    ),
+    (
+        "valid quantities",
+        with_changes(
+            TINY_SPEC,
+            runtime={"resources": {"requests": {"cpu": "1.5", "memory": "16Gi"}, "limits": {"cpu": 4}}},
+            router={"resources": {"requests": {"cpu": "500m", "memory": "1e9"}}},
+        ),
+        None,
+    ),
+    (
+        "pvc path climbing out",
+        with_changes(DEEPSEEK_SPEC, model__source={"pvc": {"claimName": "w", "path": "../../../etc"}}),
+        "no '..' segments",
+    ),
+    (
+        "image path climbing out",
+        with_changes(DEEPSEEK_SPEC, model__source={"image": {"reference": "r/w:1", "path": "a/../../b"}}),
+        "no '..' segments",
+    ),
+    (
+        "paths inside",
+        with_changes(DEEPSEEK_SPEC, model__source={"pvc": {"claimName": "w", "path": "/models/..v3/a..b"}}),
+        None,
+    ),
 ]
 
 
@@ -194,6 +241,33 @@ def test_cel_rules_and_pydantic_agree(name: str, spec: dict[str, Any], expected:
     else:
         assert any(expected in message for message in cel), cel
         assert pydantic_error is not None and expected in pydantic_error
+
+
+def test_every_number_in_the_schema_has_bounds_the_apiserver_can_store() -> None:
+    # An unbounded integer overflows the apiserver's int32/int64 handling and the operator's arithmetic
+    # (maxReplicas: 1000000000000 was accepted); an unbounded float admits .inf.
+    for path, node in _walk(_schema()["properties"]["spec"], "spec"):
+        if node.get("type") in ("integer", "number"):
+            assert "maximum" in node and "minimum" in node, f"{path} is unbounded"
+            if node["type"] == "integer":
+                assert node["maximum"] <= 2**31 - 1, path
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"decode": {"autoscaling": {"maxReplicas": 1_000_000_000_000}}}, "less than or equal to 1024"),
+        ({"router": {"disaggregationThresholdChars": 2**31}}, "less than or equal to 2147483647"),
+        ({"model__weightsGiB": float("inf")}, "less than or equal to"),
+    ],
+)
+def test_out_of_range_numbers_are_rejected_by_pydantic_and_the_schema(
+    changes: dict[str, Any], fragment: str
+) -> None:
+    spec = with_changes(DEEPSEEK_SPEC, **changes)
+    with pytest.raises(ValidationError, match=fragment):
+        LLMDeploymentSpec.model_validate(spec)
+    assert not jsonschema.Draft7Validator(_schema()["properties"]["spec"]).is_valid(spec)
 
 
 def test_unknown_fields_and_bad_enums_are_rejected() -> None:

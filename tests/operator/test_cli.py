@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +108,67 @@ def test_spec_examples_in_the_api_docs_are_valid() -> None:
     assert len(blocks) >= 2
     for block in blocks:
         parse_spec(yaml.safe_load(block)["spec"])
+
+
+def _alias_bomb(levels: int = 10) -> str:
+    """Each level lists the one before nine times: nine to the tenth "lol"s once expanded."""
+    lines = ["apiVersion: sovereign.ai/v1alpha1", "kind: LLMDeployment", "metadata: {name: t}", "spec:"]
+    lines.append("  l0: &l0 [" + ", ".join(["lol"] * 9) + "]")
+    for level in range(1, levels):
+        lines.append(f"  l{level}: &l{level} [" + ", ".join([f"*l{level - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "hint"),
+    [
+        (_alias_bomb().encode(), "aliases (*name) expand the document beyond"),
+        (b"[" * 20_000, "nested more than 64 levels deep"),
+        (b"a: &a [*a]\n", "refers to its own anchor"),
+        (b"apiVersion: \xff\xfe\n", "not UTF-8 text: byte 12 is 0xff"),
+    ],
+    ids=["alias-bomb", "deep-nesting", "recursive-alias", "non-utf8"],
+)
+def test_hostile_yaml_ends_in_one_line_and_a_non_zero_exit_promptly(
+    tmp_path: Path, content: bytes, hint: str
+) -> None:
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(content)
+    # A subprocess with a deadline: the alias bomb hung `render` for over a minute at 2.2 GB.
+    result = subprocess.run(
+        [sys.executable, "-m", "sovereign_operator.cli", "render", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and hint in lines[0], result.stderr
+
+
+def test_a_yaml_anchor_used_a_few_times_still_renders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(
+        tmp_path,
+        "apiVersion: sovereign.ai/v1alpha1\nkind: LLMDeployment\nmetadata: {name: t}\nspec:\n"
+        "  model: {name: t, source: {builtin: sovereign-tiny}}\n"
+        "  runtime: {resources: &res {requests: {cpu: 1}}}\n  router: {resources: *res}\n",
+    )
+    assert main(["render", "-f", path]) == 0
+    assert "StatefulSet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("namespace", ["../../kube-system", "Kube-System", "a" * 64, "ns.with.dots"])
+def test_namespaces_must_be_dns_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], namespace: str
+) -> None:
+    spec = "spec: {model: {name: t, source: {builtin: sovereign-tiny}}}\n"
+    head = "apiVersion: sovereign.ai/v1alpha1\nkind: LLMDeployment\n"
+    path = _write(tmp_path, head + f"metadata: {{name: t, namespace: {json.dumps(namespace)}}}\n" + spec)
+    assert main(["render", "-f", path]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metadata.namespace: must be a namespace name" in err[0]
+    path = _write(tmp_path, head + "metadata: {name: t}\n" + spec)
+    assert main(["render", "-f", path, "--namespace", namespace]) == 2
+    assert "--namespace: must be a namespace name" in capsys.readouterr().err

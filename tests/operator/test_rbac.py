@@ -22,6 +22,7 @@ PLURALS = {
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "Deployment": "deployments",
+    "NetworkPolicy": "networkpolicies",
 }
 
 

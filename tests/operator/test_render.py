@@ -9,7 +9,7 @@ from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
 from sovereign_operator import yamlio
 from sovereign_operator.api import LLMDeploymentSpec
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render, startup_budget
-from sovereign_operator.render.plan import PROBE_PERIOD_SECONDS
+from sovereign_operator.render.plan import PROBE_PERIOD_SECONDS, OperatorDefaults
 
 REF = DeploymentRef(name="llm", namespace="team-a", uid="uid-123", generation=3)
 RDMA = "rdma/rdma_shared_device_a"
@@ -272,6 +272,7 @@ def test_every_child_has_labels_and_controller_owner() -> None:
             "StatefulSet",
             "PodDisruptionBudget",
             "Deployment",
+            "NetworkPolicy",
         }
     )
 
@@ -419,3 +420,114 @@ def test_pods_meet_pod_security_restricted_except_rdma_ipc_lock(
             # the workers that register KV memory do.
             wants_ipc_lock = workload["kind"] == "StatefulSet" and rendered.plan.kv_transport == "rdma"
             assert security["capabilities"].get("add", []) == (["IPC_LOCK"] if wants_ipc_lock else [])
+
+
+# ---- security of what we deploy -------------------------------------------------------------------
+
+
+def _pods(*components: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/component": c,
+                    "app.kubernetes.io/instance": "llm",
+                    "app.kubernetes.io/name": "sovereign",
+                }
+            }
+        }
+        for c in components
+    ]
+
+
+OPERATOR_PEER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sovereign-system"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+}
+
+
+def _ingress(rendered: Rendered, name: str) -> dict[int, list[dict[str, Any]]]:
+    """Port -> the peers admitted to it, for one NetworkPolicy."""
+    policy = _one(rendered, "NetworkPolicy", name)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    return admitted
+
+
+def test_network_policies_admit_only_the_deployments_own_peers_disaggregated() -> None:
+    rendered = _render(DEEPSEEK_SPEC, RDMA_NODES)
+    policies = {c["metadata"]["name"]: c for c in rendered.children if c["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"llm-prefill", "llm-decode", "llm-router"}
+    for name, policy in policies.items():
+        component = name.removeprefix("llm-")
+        assert policy["spec"]["podSelector"] == _pods(component)[0]["podSelector"]
+    # Workers: HTTP from the router and the operator's scrapes; prefill also from decode (remote
+    # prefill); the KV port only from the deployment's own prefill/decode pods.
+    assert _ingress(rendered, "llm-prefill") == {8000: [*_pods("router"), OPERATOR_PEER, *_pods("decode")]}
+    assert _ingress(rendered, "llm-decode") == {
+        8000: [*_pods("router"), OPERATOR_PEER],
+        8001: _pods("prefill", "decode"),
+    }
+    # The router: any pod of the namespace by default.
+    assert _ingress(rendered, "llm-router") == {8000: [{"podSelector": {}}, OPERATOR_PEER]}
+
+
+def test_network_policies_unified_narrowed_widened_or_off() -> None:
+    rendered = _render(TINY_SPEC)
+    assert _ingress(rendered, "llm-unified") == {8000: [*_pods("router"), OPERATOR_PEER]}
+    clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    narrowed = _render(
+        with_changes(
+            TINY_SPEC, networking={"networkPolicy": {"routerFrom": clients, "metricsFrom": prometheus}}
+        )
+    )
+    assert _ingress(narrowed, "llm-router") == {8000: [*clients, OPERATOR_PEER, *prometheus]}
+    assert _ingress(narrowed, "llm-unified") == {8000: [*_pods("router"), OPERATOR_PEER, *prometheus]}
+    off = _render(with_changes(TINY_SPEC, networking={"networkPolicy": {"enabled": False}}))
+    assert not [c for c in off.children if c["kind"] == "NetworkPolicy"]
+
+
+def test_the_operator_namespace_of_the_installation_is_admitted() -> None:
+    defaults = OperatorDefaults.from_environment({"SOVEREIGN_OPERATOR_NAMESPACE": "ops"})
+    rendered = render(
+        DeploymentRef("llm", "team-a", "uid-123"),
+        LLMDeploymentSpec.model_validate(TINY_SPEC),
+        NO_RDMA,
+        defaults=defaults,
+    )
+    (peer,) = [p for p in _ingress(rendered, "llm-unified")[8000] if "namespaceSelector" in p]
+    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+
+
+@pytest.mark.parametrize(("spec", "facts"), [(TINY_SPEC, NO_RDMA), (DEEPSEEK_SPEC, RDMA_NODES)])
+def test_workers_run_read_only_as_an_explicit_user_with_writable_scratch(
+    spec: dict[str, Any], facts: ClusterFacts
+) -> None:
+    rendered = _render(spec, facts)
+    for workload in (c for c in rendered.children if c["kind"] in ("StatefulSet", "Deployment")):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == 65532 and pod["securityContext"]["runAsGroup"] == 65532
+        (container,) = pod["containers"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        if workload["kind"] == "StatefulSet":
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            for path in ("/tmp", "/home/sovereign/.cache", "/var/cache/sovereign/jit", "/dev/shm"):
+                assert path in mounts, path
+                assert "emptyDir" in volumes[mounts[path]] or "persistentVolumeClaim" in volumes[mounts[path]]
+
+
+def test_router_has_requests_and_a_memory_limit_that_fits_its_request() -> None:
+    router = _one(_render(TINY_SPEC), "Deployment", "llm-router")
+    resources = router["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources == {"limits": {"memory": "1Gi"}, "requests": {"cpu": "250m", "memory": "256Mi"}}
+    bigger = _render(with_changes(TINY_SPEC, router={"resources": {"requests": {"memory": "4Gi"}}}))
+    resources = _one(bigger, "Deployment", "llm-router")["spec"]["template"]["spec"]["containers"][0][
+        "resources"
+    ]
+    assert resources == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "250m", "memory": "4Gi"}}

@@ -114,6 +114,8 @@ def release(cluster: Cluster) -> Iterator[dict[str, str]]:
         "grafanaDashboard.enabled=true",
         "--set",
         "argocd.healthCheck.enabled=true",
+        "--set",
+        "admissionPolicy.forbidHostPath=true",
         # Where pods really run (kind), this release's operator starts: keep it to its own namespace
         # so it never competes with the operator the cluster already has for the tests' objects.
         "--set",
@@ -169,6 +171,36 @@ def test_operator_pod_is_admitted_under_restricted(cluster: Cluster, release: di
     assert not replica_set_failure(), replica_set_failure()
     # Two replicas by default: one holds the leader-election Lease, the other waits.
     wait_for("both operator replicas", lambda: len(pods()) == 2, timeout=120)
+
+
+def _llmd_with_source(name: str, source: dict[str, Any]) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "sovereign.ai/v1alpha1",
+            "kind": "LLMDeployment",
+            "metadata": {"name": name},
+            "spec": {"model": {"name": "m", "source": source, "weightsGiB": 1}},
+        }
+    )
+
+
+def test_forbid_host_path_refuses_host_paths_at_admission(cluster: Cluster, release: dict[str, str]):
+    ns = release["namespace"]
+
+    def create(name: str, source: dict[str, Any]) -> subprocess.CompletedProcess:
+        stdin = _llmd_with_source(name, source)
+        return cluster.kubectl("create", "--dry-run=server", "-n", ns, "-f", "-", stdin=stdin, check=False)
+
+    # The apiserver starts enforcing a new policy within seconds (its informer syncs).
+    refused = wait_for(
+        "the hostPath policy to be enforced",
+        lambda: (proc := create("host", {"hostPath": {"path": "/models"}})).returncode != 0 and proc,
+        timeout=60,
+    )
+    assert "spec.model.source.hostPath is forbidden" in refused.stderr
+    assert "admissionPolicy.forbidHostPath" in refused.stderr
+    allowed = create("pvc", {"pvc": {"claimName": "weights"}})
+    assert allowed.returncode == 0, allowed.stderr
 
 
 def as_operator(cluster: Cluster, release: dict[str, str], *args: str, stdin: str | None = None):

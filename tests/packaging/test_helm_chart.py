@@ -31,6 +31,7 @@ ALL_ON = [
     "grafanaDashboard.enabled=true",
     "argocd.healthCheck.enabled=true",
     "rdma.sharedDevicePlugin.enabled=true",
+    "admissionPolicy.forbidHostPath=true",
 ]
 # Kinds with no schema offline: the Prometheus Operator's CRDs are not in this repository.
 NO_OFFLINE_SCHEMA = {"ServiceMonitor"}
@@ -285,6 +286,16 @@ def test_optional_components_are_off_by_default(default_docs: list[dict]):
         "Service",
         "ServiceAccount",
     ]
+
+
+def test_forbid_host_path_renders_a_policy_and_its_binding(all_on_docs: list[dict]):
+    policy = one(all_on_docs, "ValidatingAdmissionPolicy")
+    binding = one(all_on_docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["apiGroups"] == ["sovereign.ai"] and rule["resources"] == ["llmdeployments"]
+    assert "object.spec.model.source.hostPath" in policy["spec"]["validations"][0]["expression"]
 
 
 def test_operator_deployment_is_locked_down(default_docs: list[dict]):

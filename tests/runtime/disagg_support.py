@@ -21,13 +21,16 @@ MODEL = "tiny"
 class Instance:
     """One `serve` process's app (any role) running in this process."""
 
-    def __init__(self, checkpoint: Path, role: str, name: str = MODEL, **disagg: Any) -> None:
+    def __init__(
+        self, checkpoint: Path, role: str, name: str = MODEL, api_key: str | None = None, **disagg: Any
+    ) -> None:
         options = EngineOptions(
             model_path=checkpoint, device="cpu", max_model_len=512, max_num_seqs=8, num_kv_blocks=96
         )
-        self.service = DisaggService(DisaggConfig(role=role, kv_host="127.0.0.1", kv_port=0, **disagg), name)
+        config = DisaggConfig(role=role, kv_host="127.0.0.1", kv_port=0, api_key=api_key, **disagg)
+        self.service = DisaggService(config, name)
         runtime = self.service.wrap_runtime(load_runtime(options, lambda *_: None))
-        app = create_app(ServerConfig(served_model_name=name), runtime=runtime)
+        app = create_app(ServerConfig(served_model_name=name, api_key=api_key), runtime=runtime)
         self.service.install(app)
         self.server = LiveServer(app)
         self.url = self.server.url

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -15,6 +17,7 @@ from loopback import serve_app
 from sovereign_runtime.router.app import Router, RouterConfig, create_app
 from sovereign_runtime.router.cli import add_router_arguments, validate_router_args
 from sovereign_runtime.router.discovery import endpoint_urls
+from sovereign_runtime.router.health import BreakerState, CircuitBreaker, FailureKind
 from sovereign_runtime.router.policy import (
     CacheAwarePolicy,
     LeastLoadPolicy,
@@ -89,12 +92,70 @@ def test_worker_pool_membership_and_failure_threshold() -> None:
     pool.set_members("worker", {"http://a", "http://b"})
     a = pool.get("http://a")
     assert a is not None
-    pool.record_failure(a)
+    pool.record_failure(a, FailureKind.CONNECT)
     assert a.routable
-    pool.record_failure(a)
+    pool.record_failure(a, FailureKind.CONNECT)
     assert not a.routable
     assert [w.url for w in pool.routable("worker")] == ["http://b"]
     assert pool.set_members("worker", {"http://b"}) == ["http://a"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_half_opens_for_one_trial_and_backs_off() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=2, cooldown_s=5, max_cooldown_s=12, clock=clock)
+    breaker.record_failure(FailureKind.CONNECT)
+    assert breaker.state is BreakerState.CLOSED and breaker.admits()
+    breaker.record_failure(FailureKind.CONNECT)
+    assert breaker.state is BreakerState.OPEN and not breaker.admits()
+    clock.now = 5
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.admits()
+    breaker.begin_attempt()
+    assert not breaker.admits()  # one trial at a time
+    breaker.record_failure(FailureKind.CONNECT)  # the trial failed: open again, twice as long
+    clock.now = 14.9
+    assert breaker.state is BreakerState.OPEN
+    clock.now = 15
+    breaker.begin_attempt()
+    breaker.record_failure(FailureKind.TIMEOUT)
+    clock.now = 15 + 11.9
+    assert breaker.state is BreakerState.OPEN  # capped at max_cooldown_s = 12
+    clock.now = 27
+    breaker.begin_attempt()
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0
+
+
+def test_a_client_hanging_up_ends_a_half_open_trial_without_a_verdict() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=1, clock=clock)
+    breaker.record_failure(FailureKind.CONNECT)
+    clock.now = 1
+    breaker.begin_attempt()
+    breaker.end_attempt()
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.admits()
+
+
+def test_timeouts_alone_never_take_out_the_last_routable_worker() -> None:
+    pool = WorkerPool(failure_threshold=2)
+    pool.set_members("worker", {"http://a", "http://b"})
+    a, b = pool.get("http://a"), pool.get("http://b")
+    assert a is not None and b is not None
+    for _ in range(2):
+        pool.record_failure(a, FailureKind.TIMEOUT)
+    assert not a.routable  # b still serves
+    for _ in range(5):
+        pool.record_failure(b, FailureKind.TIMEOUT)
+    assert b.routable  # the last one standing: slow beats "no worker is ready" for everyone
+    pool.record_failure(b, FailureKind.CONNECT)
+    assert not b.routable  # a refused connection is proof enough
 
 
 def test_prompt_key_covers_chat_and_completion_shapes() -> None:
@@ -106,6 +167,9 @@ def test_prompt_key_covers_chat_and_completion_shapes() -> None:
     assert prompt_key({"prompt": [1, 2, 3]}) == "1,2,3"
     assert prompt_key({"prompt": [[4, 5]]}) == "4,5"
     assert prompt_key({}) == ""
+    # Malformed shapes contribute nothing rather than failing in the router (the worker rejects them).
+    assert prompt_key({"messages": [{"role": 1, "content": [{"text": 5}, "x"]}, 3]}) == ":\n"
+    assert prompt_key({"messages": [{"role": "user", "content": {"a": 1}}]}) == "user:\n"
 
 
 def test_endpoint_urls_keeps_ready_non_terminating_endpoints() -> None:
@@ -136,6 +200,9 @@ def _parse(*argv: str) -> argparse.Namespace:
         (("--worker", "http://a", "--prefill", "http://b"), "cannot be combined"),
         (("--prefill", "http://a"), "both prefill and decode"),
         (("--worker-service", "svc"), "--namespace"),
+        (("--worker", "http://a", "--failure-threshold", "0"), "--failure-threshold"),
+        (("--worker", "http://a", "--breaker-cooldown", "0"), "--breaker-cooldown"),
+        (("--worker", "http://a", "--max-body-bytes", "10"), "--max-body-bytes"),
     ],
 )
 def test_router_flags_are_validated(argv: tuple[str, ...], fragment: str) -> None:
@@ -158,6 +225,7 @@ class StubWorker:
         self.name = name
         self.requests: list[dict] = []
         self.ready_status = 200
+        self.ready_delay_s = 0.0
         self.behaviour = behaviour
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -167,6 +235,7 @@ class StubWorker:
         self.url = ""
 
     async def ready(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.ready_delay_s)
         return web.Response(status=self.ready_status)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -225,11 +294,12 @@ def test_routes_and_streams_through_to_workers() -> None:
 
 
 def test_retries_on_another_worker_before_any_byte_is_sent() -> None:
-    async def broken(request: web.Request, payload: dict) -> web.Response:
-        return web.json_response({"error": "boom"}, status=500)
+    async def drops(request: web.Request, payload: dict) -> web.Response:
+        request.transport.close()  # type: ignore[union-attr]  # the worker's process went away
+        return web.Response()
 
     async def scenario() -> None:
-        bad, good = StubWorker("bad", broken), StubWorker("good")
+        bad, good = StubWorker("bad", drops), StubWorker("good")
         async with serve_app(bad.app) as url_bad, serve_app(good.app) as url_good:
             async with (
                 router_over({"worker": [url_bad, url_good]}, policy="round-robin", failure_threshold=2) as (
@@ -242,11 +312,246 @@ def test_retries_on_another_worker_before_any_byte_is_sent() -> None:
                     async with client.post(f"{url}/v1/chat/completions", json={"messages": []}) as resp:
                         assert resp.status == 200
                         assert (await resp.json())["worker"] == "good"
-                # Two failures in a row took the broken worker out of rotation.
+                # Two of its own failures in a row took the broken worker out of rotation.
                 assert not router.pool.get(url_bad).alive  # type: ignore[union-attr]
                 async with client.get(f"{url}/metrics") as resp:
                     metrics = await resp.text()
                 assert "sovereign_router_retries_total" in metrics
+
+    run(scenario())
+
+
+def test_a_worker_answer_for_one_bad_request_goes_to_the_client_and_counts_nothing() -> None:
+    async def rejects_bad(request: web.Request, payload: dict) -> web.Response:
+        if payload.get("bad") == "500":
+            return web.json_response({"error": {"message": "top_k overflowed"}}, status=500)
+        if payload.get("bad") == "400":
+            return web.json_response({"error": {"message": "no"}}, status=400)
+        return web.json_response({"worker": "ok"})
+
+    async def scenario() -> None:
+        a, b = StubWorker("a", rejects_bad), StubWorker("b", rejects_bad)
+        async with serve_app(a.app) as url_a, serve_app(b.app) as url_b:
+            async with (
+                router_over({"worker": [url_a, url_b]}, policy="round-robin", failure_threshold=2) as (
+                    url,
+                    router,
+                ),
+                aiohttp.ClientSession() as client,
+            ):
+                for bad in ("500", "400") * 4:
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x", "bad": bad}) as resp:
+                        assert resp.status == int(bad)
+                        assert "message" in (await resp.json())["error"]
+                # Never retried (another worker would fail the same way) and never counted.
+                assert len(a.requests) + len(b.requests) == 8
+                assert all(w.routable and w.breaker.consecutive_failures == 0 for w in router.pool.workers())
+                async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                    assert resp.status == 200
+
+    run(scenario())
+
+
+def test_client_disconnects_never_count_against_the_worker() -> None:
+    async def slow_stream(request: web.Request, payload: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(200):
+            await response.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.01)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def scenario() -> None:
+        a, b = StubWorker("a", slow_stream), StubWorker("b", slow_stream)
+        async with serve_app(a.app) as url_a, serve_app(b.app) as url_b:
+            async with router_over({"worker": [url_a, url_b]}, failure_threshold=2) as (url, router):
+                # Eight clients read three chunks each and hang up (the finding: both workers went out).
+                for _ in range(8):
+                    async with aiohttp.ClientSession() as client:
+                        resp = await client.post(
+                            f"{url}/v1/completions", json={"prompt": "x", "stream": True}
+                        )
+                        for _ in range(3):
+                            await resp.content.readany()
+                        resp.close()
+                await asyncio.sleep(0.3)  # let the router notice each hang-up on its next write
+                assert all(w.routable and w.breaker.consecutive_failures == 0 for w in router.pool.workers())
+                assert sum(w.in_flight for w in router.pool.workers()) == 0
+                async with aiohttp.ClientSession() as client:
+                    async with client.get(f"{url}/metrics") as resp:
+                        metrics = await resp.text()
+                assert "sovereign_router_client_disconnects_total 8.0" in metrics
+
+    run(scenario())
+
+
+def test_a_busy_worker_429_is_retried_elsewhere_and_passed_on_when_all_are_busy() -> None:
+    async def busy(request: web.Request, payload: dict) -> web.Response:
+        return web.json_response(
+            {"error": {"message": "queue full"}}, status=429, headers={"Retry-After": "2"}
+        )
+
+    async def scenario() -> None:
+        full, free = StubWorker("full", busy), StubWorker("free")
+        async with serve_app(full.app) as url_full, serve_app(free.app) as url_free:
+            async with (
+                router_over({"worker": [url_full, url_free]}, policy="round-robin", failure_threshold=1) as (
+                    url,
+                    router,
+                ),
+                aiohttp.ClientSession() as client,
+            ):
+                for _ in range(3):
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                        assert (await resp.json())["worker"] == "free"
+                assert router.pool.get(url_full).routable  # type: ignore[union-attr]  # busy is not broken
+                free.behaviour = busy
+                async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                    assert resp.status == 429 and resp.headers["Retry-After"] == "2"
+                    assert (await resp.json())["error"]["message"] == "queue full"
+
+    run(scenario())
+
+
+def test_a_broken_worker_comes_back_through_a_half_open_trial() -> None:
+    async def drops(request: web.Request, payload: dict) -> web.Response:
+        request.transport.close()  # type: ignore[union-attr]
+        return web.Response()
+
+    async def scenario() -> None:
+        worker = StubWorker("w", drops)
+        async with serve_app(worker.app) as url_w:
+            async with (
+                router_over({"worker": [url_w]}, failure_threshold=2, breaker_cooldown_s=0.3) as (
+                    url,
+                    router,
+                ),
+                aiohttp.ClientSession() as client,
+            ):
+                for _ in range(2):
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                        assert resp.status == 503
+                state = router.pool.get(url_w).breaker  # type: ignore[union-attr]
+                assert state.state is BreakerState.OPEN
+                async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                    assert resp.status == 503  # open: not even tried
+                assert len(worker.requests) == 2
+                worker.behaviour = None  # recovered
+                await asyncio.sleep(0.35)
+                assert state.state is BreakerState.HALF_OPEN
+                async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                    assert (await resp.json())["worker"] == "w"
+                assert state.state is BreakerState.CLOSED
+
+    run(scenario())
+
+
+def test_a_worker_that_starts_late_serves_everyone_once_its_health_check_answers() -> None:
+    async def scenario() -> None:
+        with socket.socket() as sock:  # a port nobody listens on yet: connection refused
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        url_w = f"http://127.0.0.1:{port}"
+        async with router_over({"worker": [url_w]}, failure_threshold=2) as (url, router):
+            for _ in range(3):
+                await router.check_all()
+            assert router.pool.get(url_w).breaker.state is BreakerState.OPEN  # type: ignore[union-attr]
+            worker = StubWorker("late")
+            runner = web.AppRunner(worker.app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            try:
+                await router.check_all()
+                # Closed, not half-open: one long trial request would hold everybody else off.
+                async with aiohttp.ClientSession() as client:
+                    statuses = await asyncio.gather(
+                        *(client.post(f"{url}/v1/completions", json={"prompt": "x"}) for _ in range(4))
+                    )
+                    assert [r.status for r in statuses] == [200] * 4
+                    for r in statuses:
+                        r.close()
+            finally:
+                await runner.cleanup()
+
+    run(scenario())
+
+
+def test_health_checks_that_time_out_because_the_router_was_late_count_nothing() -> None:
+    async def scenario() -> None:
+        a, b = StubWorker("a"), StubWorker("b")
+        async with serve_app(a.app) as url_a, serve_app(b.app) as url_b:
+            async with router_over({"worker": [url_a, url_b]}, failure_threshold=2, health_timeout_s=0.3) as (
+                url,
+                router,
+            ):
+                starving = True
+
+                async def starve() -> None:  # a CPU-starved machine: every loop turn costs 200 ms
+                    while starving:
+                        time.sleep(0.2)
+                        await asyncio.sleep(0)
+
+                starver = asyncio.ensure_future(starve())
+                for _ in range(3):
+                    await router.check_all()
+                starving = False
+                await starver
+                assert all(w.routable for w in router.pool.workers())
+                async with aiohttp.ClientSession() as client, client.get(f"{url}/metrics") as resp:
+                    metrics = await resp.text()
+                assert "sovereign_router_health_checks_inconclusive_total" in metrics
+
+    run(scenario())
+
+
+def test_a_worker_that_stops_answering_health_checks_leaves_rotation_but_not_the_last_one() -> None:
+    async def scenario() -> None:
+        a, b = StubWorker("a"), StubWorker("b")
+        async with serve_app(a.app) as url_a, serve_app(b.app) as url_b:
+            async with router_over({"worker": [url_a, url_b]}, failure_threshold=2, health_timeout_s=0.2) as (
+                _,
+                router,
+            ):
+                a.ready_delay_s = b.ready_delay_s = 5
+                for _ in range(4):
+                    await router.check_all()
+                # One went out after two timeouts in a row; the last one stays on timeouts alone.
+                assert len(router.pool.routable("worker")) == 1
+
+    run(scenario())
+
+
+def test_router_only_fields_from_clients_are_dropped() -> None:
+    forged = {"prefill_url": "http://169.254.169.254/latest?", "room": "x"}
+
+    async def scenario() -> None:
+        unified = StubWorker("u")
+        prefill, decode = StubWorker("p"), StubWorker("d")
+        async with (
+            serve_app(unified.app) as url_u,
+            serve_app(prefill.app) as url_p,
+            serve_app(decode.app) as url_d,
+            router_over({"worker": [url_u]}) as (url_unified, _),
+            router_over({"prefill": [url_p], "decode": [url_d]}, disaggregation_threshold_chars=10) as (
+                url_pd,
+                _,
+            ),
+            aiohttp.ClientSession() as client,
+        ):
+            for url, prompt in ((url_unified, "short"), (url_pd, "short"), (url_pd, "a much longer prompt")):
+                body = {"prompt": prompt, "kv_transfer_params": forged}
+                async with client.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+            assert "kv_transfer_params" not in unified.requests[0]
+            short, long = decode.requests
+            assert "kv_transfer_params" not in short
+            assert long["kv_transfer_params"]["prefill_url"] == url_p
+            async with client.get(f"{url_unified}/metrics") as resp:
+                assert (
+                    'sovereign_router_stripped_fields_total{field="kv_transfer_params"} 1.0'
+                    in await resp.text()
+                )
 
     run(scenario())
 
@@ -260,7 +565,8 @@ def test_dead_worker_is_skipped_and_no_workers_gives_openai_503() -> None:
                 router_over({"worker": [dead, url_good]}, policy="round-robin") as (url, router),
                 aiohttp.ClientSession() as client,
             ):
-                router.pool.get(dead).alive = True  # type: ignore[union-attr]  # pretend the check has not noticed
+                # Pretend the checks have not noticed yet.
+                router.pool.get(dead).breaker.record_success()  # type: ignore[union-attr]
                 router.pool.get(dead).ready = True  # type: ignore[union-attr]
                 for _ in range(2):
                     async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
@@ -277,12 +583,53 @@ def test_dead_worker_is_skipped_and_no_workers_gives_openai_503() -> None:
     run(scenario())
 
 
-def test_malformed_json_gets_openai_error() -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[" * 100_000, 400, "nested too deeply"),
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid JSON"),
+        (b'{"prompt": [' + b"9" * 5000 + b"]}", 400, "not valid JSON"),
+        (b'["a list"]', 400, "JSON object"),
+        (b'{"prompt": "' + b"x" * 500_000 + b'"}', 413, "limit of 400000 bytes"),
+    ],
+)
+def test_malformed_bodies_get_openai_errors(body: bytes, status: int, fragment: str) -> None:
     async def scenario() -> None:
-        async with router_over({"worker": []}) as (url, _), aiohttp.ClientSession() as client:
-            async with client.post(f"{url}/v1/chat/completions", data=b"{not json") as resp:
-                assert resp.status == 400
-                assert "not valid JSON" in (await resp.json())["error"]["message"]
+        async with (
+            router_over({"worker": []}, max_body_bytes=400_000) as (url, _),
+            aiohttp.ClientSession() as client,
+        ):
+            async with client.post(f"{url}/v1/chat/completions", data=body) as resp:
+                assert resp.status == status
+                assert fragment in (await resp.json())["error"]["message"]
+
+    run(scenario())
+
+
+def test_unknown_paths_methods_and_undecodable_headers_get_openai_errors() -> None:
+    async def scenario() -> None:
+        worker = StubWorker("w")
+        async with serve_app(worker.app) as url_w, router_over({"worker": [url_w]}) as (url, _):
+            async with aiohttp.ClientSession() as client:
+                async with client.get(f"{url}/v1/nope") as resp:
+                    assert resp.status == 404 and (await resp.json())["error"]["code"] == 404
+                async with client.get(f"{url}/v1/completions") as resp:
+                    assert resp.status == 405 and "error" in await resp.json()
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = b'{"prompt": "x"}'
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (len(body), body)
+            )
+            raw = await reader.read()
+            writer.close()
+            head, _, payload = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400")
+            assert json.loads(payload)["error"]["param"] == "Authorization"
+            assert worker.requests == []
 
     run(scenario())
 

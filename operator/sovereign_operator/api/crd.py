@@ -88,7 +88,7 @@ def _common(schema: dict[str, Any]) -> dict[str, Any]:
     for key in ("description", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern"):
         if key in schema:
             node[key] = schema[key]
-    for key in ("minItems", "maxItems", "x-kubernetes-validations"):
+    for key in ("minItems", "maxItems", "minProperties", "maxProperties", "x-kubernetes-validations"):
         if key in schema:
             node[key] = schema[key]
     # JSON Schema 2020 numeric exclusive bounds become OpenAPI v3 boolean flags.

@@ -6,6 +6,7 @@ Degraded condition alike.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,24 @@ def check_name(name: str) -> None:
             raise InvalidDeployment("metadata.name", rule.message.removeprefix("metadata.name "))
 
 
+# Namespaces are DNS-1123 labels; the value lands in every child's metadata and in URLs.
+NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAMESPACE_LENGTH = 63
+
+
+def check_namespace(namespace: Any, field: str = "metadata.namespace") -> None:
+    if (
+        not isinstance(namespace, str)
+        or len(namespace) > MAX_NAMESPACE_LENGTH
+        or re.fullmatch(NAMESPACE_PATTERN, namespace) is None
+    ):
+        raise InvalidDeployment(
+            field,
+            f"must be a namespace name: at most {MAX_NAMESPACE_LENGTH} characters of a-z, 0-9 and '-',"
+            " starting and ending with a letter or digit",
+        )
+
+
 def parse_document(document: Any) -> ParsedDeployment:
     if not isinstance(document, dict):
         raise InvalidDeployment("(document)", "must be a YAML mapping")
@@ -86,16 +105,27 @@ def parse_document(document: Any) -> ParsedDeployment:
             f"must be {API_VERSION} {KIND}, got {document.get('apiVersion')} {document.get('kind')}",
         )
     metadata = document.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise InvalidDeployment("metadata", "must be a mapping")
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidDeployment("metadata.name", "is required")
     check_name(name)
+    namespace = metadata.get("namespace")
+    if namespace is not None:
+        check_namespace(namespace)
+    uid = metadata.get("uid")
+    if uid is not None and not isinstance(uid, str):
+        raise InvalidDeployment("metadata.uid", "must be a string")
+    generation = metadata.get("generation") or 1
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+        raise InvalidDeployment("metadata.generation", "must be a positive integer")
     if "spec" not in document:
         raise InvalidDeployment("spec", "is required")
     return ParsedDeployment(
         name=name,
-        namespace=metadata.get("namespace"),
-        uid=metadata.get("uid"),
-        generation=int(metadata.get("generation") or 1),
+        namespace=namespace,
+        uid=uid,
+        generation=generation,
         spec=parse_spec(document["spec"]),
     )

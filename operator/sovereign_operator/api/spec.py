@@ -7,9 +7,10 @@ models would pick.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, WithJsonSchema
 
 from sovereign_operator.api.base import ApiModel
 from sovereign_operator.api.rules import CrossFieldRule
@@ -28,18 +29,70 @@ def _operator_default(schema: dict[str, Any]) -> None:
 
 
 Precision = Literal["fp8", "bf16", "fp32"]
-# A Kubernetes quantity: "500m", "16Gi" or a plain integer.
-Quantity = int | str
+
+# Every integer the CRD stores is an int32 in the apiserver's eyes unless bounded lower.
+INT32_MAX = 2**31 - 1
+MAX_POOL_REPLICAS = 1024
+
+# A non-negative Kubernetes quantity: "500m", "16Gi", "1.5", "1e3" or a plain integer (no sign).
+QUANTITY_PATTERN = r"^([0-9]+([.][0-9]*)?|[.][0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
+QUANTITY_MESSAGE = (
+    'must be a non-negative Kubernetes quantity: an integer or a string such as "500m" or "16Gi"'
+)
+# maxLength bounds the regex's cost in the apiserver's CEL budget.
+MAX_QUANTITY_LENGTH = 64
+QUANTITY_CEL = f"type(self) == int ? self >= 0 : string(self).matches('{QUANTITY_PATTERN}')"
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str) and len(value) <= MAX_QUANTITY_LENGTH and re.fullmatch(QUANTITY_PATTERN, value):
+        return value
+    raise ValueError(QUANTITY_MESSAGE)
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "maxLength": MAX_QUANTITY_LENGTH,
+            "x-kubernetes-validations": [{"rule": QUANTITY_CEL, "message": QUANTITY_MESSAGE}],
+        }
+    ),
+]
+# Resource maps hold a handful of names (cpu, memory, nvidia.com/gpu, ...); bounded for CEL's cost budget.
+MAX_RESOURCE_NAMES = 16
+
+# Paths inside a volume or image: joined under the mount point, so they may never climb out of it.
+RELATIVE_PATH_CEL = "!self.path.matches('(^|/)[.][.](/|$)')"
+RELATIVE_PATH_MESSAGE = "path must stay inside the volume: no '..' segments"
+MAX_PATH_LENGTH = 1024
+
+
+def _stays_inside(path: str) -> bool:
+    return re.search(r"(^|/)[.][.](/|$)", path) is None
+
+
+RELATIVE_PATH_RULE = CrossFieldRule(
+    cel=RELATIVE_PATH_CEL, message=RELATIVE_PATH_MESSAGE, holds=lambda s: _stays_inside(s.path)
+)
 
 
 class ResourceRequirements(ApiModel):
     """Container resources, as in a Pod: quantities by resource name."""
 
     requests: dict[str, Quantity] = Field(
-        default_factory=dict, description='Quantities the scheduler reserves, e.g. cpu: "4", memory: 64Gi.'
+        default_factory=dict,
+        max_length=MAX_RESOURCE_NAMES,
+        description='Quantities the scheduler reserves, e.g. cpu: "4", memory: 64Gi.',
     )
     limits: dict[str, Quantity] = Field(
-        default_factory=dict, description="Quantities the container may not exceed, by resource name."
+        default_factory=dict,
+        max_length=MAX_RESOURCE_NAMES,
+        description="Quantities the container may not exceed, by resource name.",
     )
 
 
@@ -55,7 +108,10 @@ class Toleration(ApiModel):
         None, description="The taint effect tolerated; empty: every effect."
     )
     toleration_seconds: int | None = Field(
-        None, description="With NoExecute: how long the pod stays bound after the taint appears."
+        None,
+        ge=0,
+        le=INT32_MAX,
+        description="With NoExecute: how long the pod stays bound after the taint appears.",
     )
 
 
@@ -78,7 +134,11 @@ class PVCSource(ApiModel):
     claim_name: str = Field(
         min_length=1, description="The PersistentVolumeClaim in the deployment's namespace."
     )
-    path: str = Field("", description="Directory of the checkpoint inside the volume.")
+    path: str = Field(
+        "", max_length=MAX_PATH_LENGTH, description="Directory of the checkpoint inside the volume."
+    )
+
+    RULES = (RELATIVE_PATH_RULE,)
 
 
 class HostPathSource(ApiModel):
@@ -93,10 +153,14 @@ class ImageSource(ApiModel):
     """Weights in an OCI image, mounted as a Kubernetes image volume (Kubernetes 1.31+)."""
 
     reference: str = Field(min_length=1, description="The OCI image holding the checkpoint.")
-    path: str = Field("", description="Directory of the checkpoint inside the image.")
+    path: str = Field(
+        "", max_length=MAX_PATH_LENGTH, description="Directory of the checkpoint inside the image."
+    )
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="When the kubelet pulls the image volume."
     )
+
+    RULES = (RELATIVE_PATH_RULE,)
 
 
 def _count_sources(source: ModelSource) -> int:
@@ -134,11 +198,15 @@ class ModelSpec(ApiModel):
     )
     precision: Precision = Field("bf16", description="Precision of the checkpoint's weights.")
     parameters_billions: float | None = Field(
-        None, ge=0, description="Parameter count in billions; sizes memory and the startup budget."
+        None,
+        ge=0,
+        le=100_000,
+        description="Parameter count in billions; sizes memory and the startup budget.",
     )
     weights_gib: float | None = Field(
         None,
         ge=0,
+        le=10_000_000,
         alias="weightsGiB",
         description="Size of the checkpoint in GiB; preferred over parametersBillions when set.",
     )
@@ -188,10 +256,18 @@ class RuntimeSpec(ApiModel):
 class PoolAutoscaling(ApiModel):
     """Bounds and targets for the pool's autoscaler; it decides replicas and records them in status."""
 
-    min_replicas: int = Field(1, ge=0, description="The fewest replicas; the pool starts here.")
-    max_replicas: int = Field(ge=1, description="The most replicas the autoscaler may ask for.")
-    ttft_target_ms: int | None = Field(None, ge=1, description="Time-to-first-token target (p90).")
-    itl_target_ms: int | None = Field(None, ge=1, description="Inter-token-latency target (p90).")
+    min_replicas: int = Field(
+        1, ge=0, le=MAX_POOL_REPLICAS, description="The fewest replicas; the pool starts here."
+    )
+    max_replicas: int = Field(
+        ge=1, le=MAX_POOL_REPLICAS, description="The most replicas the autoscaler may ask for."
+    )
+    ttft_target_ms: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Time-to-first-token target (p90)."
+    )
+    itl_target_ms: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Inter-token-latency target (p90)."
+    )
     kv_cache_usage_target: float | None = Field(
         None,
         ge=0.05,
@@ -199,7 +275,9 @@ class PoolAutoscaling(ApiModel):
         description="Mean KV-cache usage per replica (0.05-1); decode and unified pools with neither"
         " this nor itlTargetMs get 0.75.",
     )
-    waiting_requests_target: int | None = Field(None, ge=1, description="Queued requests per replica.")
+    waiting_requests_target: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Queued requests per replica."
+    )
 
     RULES = (
         CrossFieldRule(
@@ -213,7 +291,9 @@ class PoolAutoscaling(ApiModel):
 class PoolSpec(ApiModel):
     """A pool of runtime workers: either fixed `replicas` or `autoscaling` bounds, not both."""
 
-    replicas: int | None = Field(None, ge=0, le=1024, description="Fixed size; 1 when neither is set.")
+    replicas: int | None = Field(
+        None, ge=0, le=MAX_POOL_REPLICAS, description="Fixed size; 1 when neither is set."
+    )
     autoscaling: PoolAutoscaling | None = Field(
         None, description="Bounds and targets; the autoscaler decides replicas and records them in status."
     )
@@ -250,6 +330,7 @@ class RouterSpec(ApiModel):
     disaggregation_threshold_chars: int | None = Field(
         None,
         ge=0,
+        le=INT32_MAX,
         description="Prompts with fewer uncached characters are prefilled on the decode pool"
         " (disaggregated mode; router default 512).",
     )
@@ -292,10 +373,31 @@ class RDMASpec(ApiModel):
     )
 
 
+class NetworkPolicySpec(ApiModel):
+    """Who may reach the deployment's pods. Workers take HTTP only from the router, the operator and
+    the deployment's own decode pods (remote prefill), the KV port only from its prefill/decode pods."""
+
+    enabled: bool = Field(True, description="Render NetworkPolicies (they need a CNI that enforces them).")
+    router_from: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=32,
+        description="NetworkPolicyPeers that may reach the router; default: every pod of the namespace.",
+    )
+    metrics_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Extra NetworkPolicyPeers that may reach the workers' HTTP port, e.g. Prometheus"
+        " scraping /metrics (the port also serves the API: grant it to scrapers only).",
+    )
+
+
 class NetworkingSpec(ApiModel):
-    """How prefill and decode pods reach each other."""
+    """How pods reach each other: RDMA for the KV transfer, and who may reach which pod."""
 
     rdma: RDMASpec = Field(default_factory=RDMASpec, description="RDMA for the KV-cache transfer.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="The NetworkPolicies rendered for the pods."
+    )
 
 
 class PVCRef(ApiModel):
@@ -332,7 +434,7 @@ class StartupSpec(ApiModel):
 
     budget_seconds: int | None = Field(None, ge=10, le=86400, description="Overrides the computed budget.")
     read_bandwidth_mibps: int = Field(
-        1000, ge=1, alias="readBandwidthMiBps", description="Weight read bandwidth per pod."
+        1000, ge=1, le=INT32_MAX, alias="readBandwidthMiBps", description="Weight read bandwidth per pod."
     )
     jit_cache: JitCacheSpec | None = Field(
         None, description="Where compiled kernels live; default an emptyDir of 20Gi."
@@ -361,8 +463,8 @@ class MetricsSource(ApiModel):
 class RatioBounds(ApiModel):
     """Bounds on the prefill:decode replica ratio."""
 
-    min: float = Field(ge=0, description="The smallest prefill/decode replica ratio.")
-    max: float = Field(ge=0, description="The largest prefill/decode replica ratio.")
+    min: float = Field(ge=0, le=1000, description="The smallest prefill/decode replica ratio.")
+    max: float = Field(ge=0, le=1000, description="The largest prefill/decode replica ratio.")
 
     RULES = (
         CrossFieldRule(

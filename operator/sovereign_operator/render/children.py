@@ -48,20 +48,30 @@ JIT_CACHE_MOUNT = "/var/cache/sovereign/jit"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
-RUNTIME_GID = 65532  # the group of the runtime image's user (images/runtime.Dockerfile)
+RUNTIME_UID = 65532  # the runtime image's user (images/runtime.Dockerfile)
+RUNTIME_GID = 65532  # and its group
 # Time after the preStop drain for SIGTERM handling and exit (the runtime gets --drain-timeout =
 # runtime.drainTimeoutSeconds, the same bound the hook waits).
 EXIT_GRACE_SECONDS = 45
-ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
+# The router holds connections and a prefix tree of bounded size (2 M characters per pool): a memory
+# limit stops a leak or a flood from taking the node down with it. No CPU limit: throttling the router
+# would delay every request (its health checks measure their own lateness for the same reason).
+ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+# Writable places of a worker whose root filesystem is read-only: temporary files (TP rendezvous,
+# torch) and the home cache (Hugging Face, torch extensions); the JIT cache has its own volume.
+WORKER_SCRATCH = (("tmp", "/tmp"), ("home-cache", "/home/sovereign/.cache"))
 
 # The preStop hook: ask the runtime to drain, then wait until nothing runs or queues. It only
 # uses the runtime's contract (POST /drain, the vLLM request gauges on /metrics) and python3.
 DRAIN_SCRIPT = """\
-import sys, time, urllib.request
+import os, sys, time, urllib.request
 base = "http://127.0.0.1:RUNTIME_PORT"
 deadline = time.monotonic() + float(sys.argv[1])
+# /drain takes the API key like the API does (else a silent 401 and no drain).
+key = os.environ.get("SOVEREIGN_API_KEY")
+auth = {"Authorization": "Bearer " + key} if key else {}
 try:
-    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST"), timeout=5)
+    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST", headers=auth), timeout=5)
 except Exception:
     pass
 gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -170,6 +180,9 @@ def merged_resources(*layers: ResourceRequirements | None) -> dict[str, dict[str
     return {"limits": limits, "requests": requests}
 
 
+ROUTER_DEFAULT_RESOURCES_MODEL = ResourceRequirements.model_validate(ROUTER_DEFAULT_RESOURCES)
+
+
 def _worker_resources(spec: LLMDeploymentSpec, pool: PoolSpec, plan: ModePlan) -> dict[str, Any]:
     resources = merged_resources(spec.runtime.resources, pool.resources)
     # Extended resources (GPUs, RDMA devices) must have requests equal to limits.
@@ -233,6 +246,16 @@ def _worker_env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
     return env + [var.to_api() for var in spec.runtime.env]
 
 
+def _non_root_user() -> dict[str, Any]:
+    """Pod-level identity: the image's user by number, so a different image cannot run as root."""
+    return {
+        "runAsGroup": RUNTIME_GID,
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _restricted_container_security() -> dict[str, Any]:
     """What Pod Security's `restricted` profile asks of a container."""
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -251,10 +274,12 @@ def _worker_pod_template(
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "jit-cache", "mountPath": JIT_CACHE_MOUNT},
+        *({"name": name, "mountPath": path} for name, path in WORKER_SCRATCH),
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         _jit_cache_volume(spec),
+        *({"name": name, "emptyDir": {}} for name, _ in WORKER_SCRATCH),
     ]
     if model_volume is not None:
         mounts.insert(0, {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -283,7 +308,8 @@ def _worker_pod_template(
             }
         },
         "volumeMounts": mounts,
-        "securityContext": _restricted_container_security(),
+        # Everything the runtime writes goes to the volumes above.
+        "securityContext": {**_restricted_container_security(), "readOnlyRootFilesystem": True},
     }
     if plan.kv_transport == "rdma":
         # Registering memory for RDMA needs locked pages: the one capability such a pod keeps (the
@@ -299,8 +325,7 @@ def _worker_pod_template(
         "securityContext": {
             "fsGroup": RUNTIME_GID,
             "fsGroupChangePolicy": "OnRootMismatch",
-            "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
+            **_non_root_user(),
         },
         "terminationGracePeriodSeconds": spec.runtime.drain_timeout_seconds + EXIT_GRACE_SECONDS,
         "containers": [container],
@@ -444,7 +469,11 @@ def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) ->
 
 def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> dict[str, Any]:
     router = spec.router
-    resources = merged_resources(router.resources) if router.resources else ROUTER_DEFAULT_RESOURCES
+    resources = merged_resources(ROUTER_DEFAULT_RESOURCES_MODEL, router.resources)
+    own = router.resources
+    if own is not None and "memory" in own.requests and "memory" not in own.limits:
+        # A memory request of the spec's own must not exceed the default limit: limit = request.
+        resources["limits"]["memory"] = own.requests["memory"]
     container = {
         "name": "router",
         "image": spec.runtime.image,
@@ -470,7 +499,7 @@ def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePl
                 "metadata": {"labels": child_labels(ref.name, "router")},
                 "spec": {
                     "serviceAccountName": router_name(ref.name),
-                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": _non_root_user(),
                     "containers": [container],
                 },
             },
@@ -492,6 +521,65 @@ def _router_service(ref: DeploymentRef) -> dict[str, Any]:
     }
 
 
+# ---- network policies --------------------------------------------------------------------------
+
+
+def _pods_of(ref: DeploymentRef, *components: str) -> list[dict[str, Any]]:
+    return [{"podSelector": {"matchLabels": selector_labels(ref.name, c)}} for c in components]
+
+
+def _operator_peer(operator_namespace: str) -> dict[str, Any]:
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+    }
+
+
+def _tcp(port: int) -> list[dict[str, Any]]:
+    return [{"port": port, "protocol": "TCP"}]
+
+
+def _network_policy(
+    ref: DeploymentRef, component: str, name: str, rules: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(ref, name, component),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(ref.name, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+
+
+def network_policies(
+    ref: DeploymentRef, spec: LLMDeploymentSpec, components: list[Component], operator_namespace: str
+) -> list[dict[str, Any]]:
+    """Ingress for every pool and the router: whatever is not listed is refused."""
+    policy = spec.networking.network_policy
+    if not policy.enabled:
+        return []
+    scrapers = [_operator_peer(operator_namespace), *policy.metrics_from]
+    children = []
+    for component in components:
+        http_from = [*_pods_of(ref, "router"), *scrapers]
+        if component == "prefill":
+            http_from += _pods_of(ref, "decode")  # the decode role calls /v1/internal/prefill
+        rules = [{"from": http_from, "ports": _tcp(RUNTIME_PORT)}]
+        if component == "decode":
+            rules.append({"from": _pods_of(ref, "prefill", "decode"), "ports": _tcp(KV_PORT)})
+        children.append(_network_policy(ref, component, pool_name(ref.name, component), rules))
+    router_from = policy.router_from if policy.router_from is not None else [{"podSelector": {}}]
+    router_rules = [
+        {"from": router_from, "ports": _tcp(RUNTIME_PORT)},
+        {"from": scrapers, "ports": _tcp(RUNTIME_PORT)},
+    ]
+    children.append(_network_policy(ref, "router", router_name(ref.name), router_rules))
+    return children
+
+
 def endpoint_url(ref: DeploymentRef) -> str:
     return f"http://{ref.name}.{ref.namespace}.svc:{RUNTIME_PORT}/v1"
 
@@ -509,7 +597,8 @@ def render(
     `resolved` is the mode decided earlier for this same spec generation; when given, the cluster
     facts are not consulted again (see `sticky_plan`).
     """
-    spec = with_operator_defaults(spec, defaults or OperatorDefaults())
+    defaults = defaults or OperatorDefaults()
+    spec = with_operator_defaults(spec, defaults)
     plan = resolved if resolved is not None else resolve_mode(spec, facts or ClusterFacts())
     budget = startup_budget(spec)
     replicas = plan_replicas(spec, plan.mode, replica_overrides or {})
@@ -526,6 +615,7 @@ def render(
         _router_service(ref),
         _router_deployment(ref, spec, plan),
         _pdb(ref, "router", router_name(ref.name)),
+        *network_policies(ref, spec, list(replicas), defaults.operator_namespace),
     ]
     return Rendered(
         children=children, plan=plan, budget=budget, replicas=replicas, endpoint=endpoint_url(ref)

@@ -50,18 +50,26 @@ class ClusterFacts:
         return resource_name in self.advertised_resources
 
 
+# The namespace docs/install.md installs the chart into.
+DEFAULT_OPERATOR_NAMESPACE = "sovereign-system"
+
+
 @dataclass(frozen=True)
 class OperatorDefaults:
     """Values a spec may leave to the operator's installation (the Helm chart sets them)."""
 
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     rdma_resource: str = DEFAULT_RDMA_RESOURCE
+    # Where the operator's pods run (the chart passes its release namespace): workers' NetworkPolicies
+    # admit its metrics and KV-health scrapes from there.
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> OperatorDefaults:
         return cls(
             runtime_image=environ.get("SOVEREIGN_RUNTIME_IMAGE") or DEFAULT_RUNTIME_IMAGE,
             rdma_resource=environ.get("SOVEREIGN_RDMA_RESOURCE") or DEFAULT_RDMA_RESOURCE,
+            operator_namespace=environ.get("SOVEREIGN_OPERATOR_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE,
         )
 
 

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import hmac
 import logging
 import re
 import threading
@@ -56,6 +57,9 @@ ROLES = ("unified", "prefill", "decode")
 TRANSPORTS = ("tcp", "rdma")
 PREFILL_PATH = "/v1/internal/prefill"
 HEALTH_PATH = "/health/kv"
+# The deployment's shared secret on internal calls (router -> decode, decode -> prefill): what proves a
+# peer is one of the deployment's own pods rather than a client.
+INTERNAL_TOKEN_HEADER = "X-Sovereign-Internal-Token"
 _ROOM = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEALTH_WINDOW_S = 60.0  # a failure newer than the last success within this window is unhealthy
 
@@ -74,6 +78,18 @@ class DisaggConfig:
     advertise_host: str | None = None  # the address prefill instances dial; default: kv_host
     transfer_timeout_s: float = 30.0  # whole remote prefill, handshake to ack
     idle_timeout_s: float = 10.0  # no frame (heartbeats included) for this long fails a room
+    # With a token, kv_transfer_params are honoured only from a peer that sends it (the router), and
+    # /v1/internal/prefill answers only callers that send it; without one, both trust the network.
+    internal_token: str | None = None
+    api_key: str | None = None  # this server's own API key, sent on calls to the prefill instance
+
+
+def has_internal_token(request: web.Request, token: str | None) -> bool:
+    """Whether the request carries the deployment's internal token (always true when none is set)."""
+    if token is None:
+        return True
+    given = request.headers.get(INTERNAL_TOKEN_HEADER, "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, token.encode())
 
 
 class _Metrics:
@@ -246,7 +262,7 @@ class DisaggService:
         if self.config.role == "prefill":
             app.router.add_post(PREFILL_PATH, self.prefill_handler)
         if self.config.role == "decode":
-            app.middlewares.append(_transfer_params_middleware)
+            app.middlewares.append(_transfer_params_middleware(self.config.internal_token))
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
 
@@ -357,7 +373,14 @@ class DisaggService:
 
     async def _call_prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         assert self._session is not None
-        async with self._session.post(url, json=body) as resp:
+        # The prefill instance authenticates internal calls like any client's (same API key), and
+        # takes only its own deployment's peers (the internal token).
+        headers = {}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        if self.config.internal_token:
+            headers[INTERNAL_TOKEN_HEADER] = self.config.internal_token
+        async with self._session.post(url, json=body, headers=headers) as resp:
             answer = await resp.json(content_type=None)
             if resp.status != 200:
                 raise KVTransferError(f"prefill answered {resp.status}: {answer}")
@@ -365,6 +388,8 @@ class DisaggService:
 
     # ---- prefill side ------------------------------------------------------------------------------
     async def prefill_handler(self, request: web.Request) -> web.Response:
+        if not has_internal_token(request, self.config.internal_token):
+            return _error(403, f"{PREFILL_PATH} is internal: only this deployment's decode pods may call it")
         try:
             body = await request.json()
             prompt = [int(t) for t in body["prompt_token_ids"]]
@@ -469,21 +494,30 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-@web.middleware
-async def _transfer_params_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Lift `kv_transfer_params` out of an OpenAI request body into `TRANSFER_PARAMS`."""
-    params: dict[str, str] | None = None
-    if request.method == "POST" and request.path in ("/v1/chat/completions", "/v1/completions"):
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
-            body = await request.json()  # cached: the handler reads the same bytes again
-            raw = body.get("kv_transfer_params") if isinstance(body, dict) else None
-            if isinstance(raw, dict):
-                url, room = raw.get("prefill_url"), raw.get("room")
-                url_ok = isinstance(url, str) and url.startswith(("http://", "https://"))
-                if url_ok and isinstance(room, str) and _ROOM.match(room):
-                    params = {"prefill_url": url, "room": room}
-    token = TRANSFER_PARAMS.set(params)
-    try:
-        return await handler(request)
-    finally:
-        TRANSFER_PARAMS.reset(token)
+def _transfer_params_middleware(internal_token: str | None) -> Any:
+    """Lift `kv_transfer_params` out of an OpenAI request body into `TRANSFER_PARAMS`, from the router
+    only: without the internal token (when one is set) a client's value is ignored."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        params: dict[str, str] | None = None
+        is_generation = request.method == "POST" and request.path in (
+            "/v1/chat/completions",
+            "/v1/completions",
+        )
+        if is_generation and has_internal_token(request, internal_token):
+            with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+                body = await request.json()  # cached: the handler reads the same bytes again
+                raw = body.get("kv_transfer_params") if isinstance(body, dict) else None
+                if isinstance(raw, dict):
+                    url, room = raw.get("prefill_url"), raw.get("room")
+                    url_ok = isinstance(url, str) and url.startswith(("http://", "https://"))
+                    if url_ok and isinstance(room, str) and _ROOM.match(room):
+                        params = {"prefill_url": url, "room": room}
+        token = TRANSFER_PARAMS.set(params)
+        try:
+            return await handler(request)
+        finally:
+            TRANSFER_PARAMS.reset(token)
+
+    return middleware

@@ -1,8 +1,11 @@
 """The router's HTTP shell: OpenAI-compatible front door, health checks, metrics.
 
-Requests are proxied byte for byte (SSE included) to a worker the policy picks. A worker that fails or
-answers 5xx before any byte reached the client is retried on another worker; once bytes flowed, the
-client gets an error event instead of a silent truncation. In prefill/decode mode the router pairs a
+Requests are proxied byte for byte (SSE included) to a worker the policy picks. A worker that fails
+(refused or dropped connection, timeout), answers 503 (starting, draining) or 429 (its queue is full)
+before any byte reached the client is retried on another worker; once bytes flowed, the client gets an
+error event instead of a silent truncation. Only a worker's own failures take it out of rotation (see
+`health`): any other answer, a 500 caused by one bad request included, goes to the client as it is.
+Fields only the router may set (`kv_transfer_params`) are dropped from what clients send. In prefill/decode mode the router pairs a
 decode worker with a prefill worker and tells the decode worker where to pull the KV cache from
 (`kv_transfer_params`); short prompts with no cached prefix skip disaggregation.
 """
@@ -22,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .health import FailureKind, LoopLagMonitor, timer_lateness
 from .policy import (
     CacheAwarePolicy,
     LeastLoadPolicy,
@@ -35,8 +39,22 @@ from .policy import (
 
 log = logging.getLogger(__name__)
 
-# Headers that describe one hop and must not be forwarded.
-_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# Headers that describe one hop, or that only the router may set, and are never forwarded from clients.
+INTERNAL_TOKEN_HEADER = "X-Sovereign-Internal-Token"
+_HOP_HEADERS = {
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    INTERNAL_TOKEN_HEADER.lower(),
+}
+# Request fields only the router may set: a client's value would let it pick the URL a decode worker
+# POSTs the prompt and its KV ticket to.
+ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
+# Errors writing to the client: it hung up. Never the worker's fault.
+_CLIENT_GONE = (ConnectionError, RuntimeError)
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 
 
 @dataclass
@@ -47,7 +65,18 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 3600.0
     max_attempts: int = 3
+    # The worker's own failures in a row (connect errors, timeouts, failed health checks) that open its
+    # circuit breaker; it half-opens after the cooldown, which doubles up to the maximum while trials fail.
     failure_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
+    breaker_max_cooldown_s: float = 60.0
+    # A health check timeout while the router's own loop ran this late (fraction of the timeout) is not
+    # counted: the router was too busy to read the answer, the worker may be fine.
+    health_lag_tolerance: float = 0.25
+    max_body_bytes: int = 64 * 1024 * 1024
+    # The deployment's shared secret: sent to decode workers so they honour the router's
+    # kv_transfer_params (and no client's).
+    internal_token: str | None = None
     # In prefill/decode mode, prompts shorter than this (in characters, the router sees no tokens)
     # with no cached prefix are prefilled on the decode worker: a transfer would cost more than it saves.
     disaggregation_threshold_chars: int = 512
@@ -89,6 +118,23 @@ class RouterMetrics:
             "Requests sent through a prefill/decode pair",
             registry=self.registry,
         )
+        self.client_disconnects = Counter(
+            "sovereign_router_client_disconnects",
+            "Clients that hung up before their response ended (never a worker failure)",
+            registry=self.registry,
+        )
+        self.inconclusive_checks = Counter(
+            "sovereign_router_health_checks_inconclusive",
+            "Health check timeouts not counted because the router itself ran late",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.stripped_fields = Counter(
+            "sovereign_router_stripped_fields",
+            "Router-only fields removed from client requests",
+            ["field"],
+            registry=self.registry,
+        )
 
     def refresh_workers(self, pool: WorkerPool) -> None:
         self.workers.clear()
@@ -108,7 +154,11 @@ def openai_error(
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = WorkerPool(failure_threshold=config.failure_threshold)
+        self.pool = WorkerPool(
+            failure_threshold=config.failure_threshold,
+            cooldown_s=config.breaker_cooldown_s,
+            max_cooldown_s=config.breaker_max_cooldown_s,
+        )
         self.policies: dict[Role, RoutingPolicy] = {
             "worker": make_policy(config.policy),
             "decode": make_policy(config.policy),
@@ -116,6 +166,7 @@ class Router:
             "prefill": LeastLoadPolicy(),
         }
         self.metrics = RouterMetrics()
+        self.lag = LoopLagMonitor()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         for role, urls in config.static_members.items():
@@ -137,6 +188,7 @@ class Router:
             total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
         )
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self._tasks.append(asyncio.create_task(self.lag.run()))
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
     async def stop(self, app: web.Application) -> None:
@@ -154,17 +206,30 @@ class Router:
     # ---- health -----------------------------------------------------------------------------------
     async def check_worker(self, worker: Worker) -> None:
         assert self._session is not None
+        loop = asyncio.get_running_loop()
+        timeout_s = self.config.health_timeout_s
+        started = loop.time()
         try:
             async with self._session.get(
-                worker.url + "/health/ready",
-                timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
+                worker.url + "/health/ready", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 # 503 means starting or draining: alive, but no new work.
                 worker.ready = resp.status == 200
                 self.pool.record_success(worker)
-        except (TimeoutError, aiohttp.ClientError):
+        except TimeoutError:
+            now = loop.time()
+            own_lateness = max(timer_lateness(started, now, timeout_s), self.lag.lag_since(started, now))
+            if own_lateness > self.config.health_lag_tolerance * timeout_s:
+                # The router, not the worker, was slow: this check proves nothing either way.
+                self.metrics.inconclusive_checks.labels(worker.url).inc()
+                log.info(
+                    "health check of %s timed out while the router ran %.2fs late", worker.url, own_lateness
+                )
+                return
+            self.pool.record_failure(worker, FailureKind.TIMEOUT)
+        except aiohttp.ClientError:
             worker.ready = False
-            self.pool.record_failure(worker)
+            self.pool.record_failure(worker, FailureKind.CONNECT)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check_worker(w) for w in self.pool.workers()))
@@ -206,12 +271,15 @@ class Router:
 
     async def _proxy_generation(self, request: web.Request, path: str) -> web.StreamResponse:
         body = await request.read()
-        try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return openai_error(400, f"request body is not valid JSON: {exc}")
-        if not isinstance(payload, dict):
-            return openai_error(400, "request body must be a JSON object")
+        payload, problem = parse_json_object(body)
+        if payload is None:
+            return openai_error(400, problem)
+        stripped = [name for name in ROUTER_ONLY_FIELDS if name in payload]
+        if stripped:
+            for name in stripped:
+                del payload[name]
+                self.metrics.stripped_fields.labels(name).inc()
+            body = json.dumps(payload).encode()
         return await self._forward(request, path, body, payload, "POST")
 
     async def _forward(
@@ -221,9 +289,12 @@ class Router:
         started = time.perf_counter()
         key = prompt_key(payload) if payload else ""
         role: Role = "decode" if self.disaggregated else "worker"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers, bad_header = forwardable_headers(request)
+        if bad_header is not None:
+            return openai_error(400, f"header {bad_header!r} is not valid UTF-8", param=bad_header)
         tried: set[str] = set()
         last_error = "no worker is ready"
+        busy: tuple[int, dict[str, str], bytes] | None = None  # the last 429, answered if all are busy
         for attempt in range(self.config.max_attempts):
             candidates = self.pool.routable(role, exclude=tried)
             if not candidates:
@@ -232,35 +303,52 @@ class Router:
                 self.metrics.retries.inc()
             worker = self.policies[role].choose(candidates, key)
             tried.add(worker.url)
-            send_body = body
+            send_body, send_headers = body, headers
             if payload is not None and role == "decode":
                 send_body = self._with_transfer_params(payload, key, worker)
+                if self.config.internal_token:
+                    send_headers = {**headers, INTERNAL_TOKEN_HEADER: self.config.internal_token}
             worker.in_flight += 1
+            worker.breaker.begin_attempt()
             self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
             response: web.StreamResponse | None = None
             try:
                 async with self._session.request(
-                    method, worker.url + path, data=send_body or None, headers=headers
+                    method, worker.url + path, data=send_body or None, headers=send_headers
                 ) as upstream:
-                    if upstream.status >= 500:
-                        # Starting, draining or broken: try another worker before anything was sent.
+                    if upstream.status in (429, 503):
+                        # Busy (429), starting or draining (503): alive, but try another worker before
+                        # anything was sent.
                         last_error = f"worker {worker.url} answered {upstream.status}"
-                        self.metrics.upstream_errors.labels(worker.url).inc()
-                        if upstream.status != 503:
-                            self.pool.record_failure(worker)
-                        else:
+                        self.pool.record_success(worker)
+                        if upstream.status == 503:
                             worker.ready = False
+                        else:
+                            busy = (
+                                429,
+                                _passed_headers(upstream, ("Retry-After", "Content-Type")),
+                                await upstream.read(),
+                            )
                         continue
+                    # Any other answer, a 500 included, is the request's own: the worker works.
+                    self.pool.record_success(worker)
                     self.metrics.latency.observe(time.perf_counter() - started)
                     response = web.StreamResponse(status=upstream.status)
-                    for name in ("Content-Type", "Cache-Control"):
-                        if name in upstream.headers:
-                            response.headers[name] = upstream.headers[name]
-                    await response.prepare(request)
+                    response.headers.update(_passed_headers(upstream, ("Content-Type", "Cache-Control")))
+                    try:
+                        await response.prepare(request)
+                    except _CLIENT_GONE:
+                        self.metrics.client_disconnects.inc()
+                        return response
                     async for chunk in upstream.content.iter_any():
-                        await response.write(chunk)
-                    await response.write_eof()
-                    self.pool.record_success(worker)
+                        try:
+                            await response.write(chunk)
+                        except _CLIENT_GONE:
+                            # Leaving the block closes the upstream connection: the worker stops generating.
+                            self.metrics.client_disconnects.inc()
+                            return response
+                    with contextlib.suppress(*_CLIENT_GONE):
+                        await response.write_eof()
                     if upstream.status < 400 and payload is not None:
                         self.policies[role].record(worker, key)
                     self.metrics.requests.labels(worker.url, str(upstream.status)).inc()
@@ -268,7 +356,8 @@ class Router:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 last_error = f"worker {worker.url} failed: {exc.__class__.__name__}: {exc}"
                 self.metrics.upstream_errors.labels(worker.url).inc()
-                self.pool.record_failure(worker)
+                kind = FailureKind.TIMEOUT if isinstance(exc, TimeoutError) else FailureKind.CONNECT
+                self.pool.record_failure(worker, kind)
                 if response is not None:
                     # Bytes already reached the client: retrying would duplicate tokens. End the stream
                     # with an error event the OpenAI clients surface.
@@ -276,7 +365,12 @@ class Router:
                     return response
             finally:
                 worker.in_flight -= 1
+                worker.breaker.end_attempt()
                 self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+        if busy is not None:
+            status, busy_headers, busy_body = busy
+            self.metrics.requests.labels("none", str(status)).inc()
+            return web.Response(status=status, headers=busy_headers, body=busy_body)
         self.metrics.requests.labels("none", "503").inc()
         return openai_error(503, f"no worker could serve the request: {last_error}", "service_unavailable")
 
@@ -298,13 +392,63 @@ class Router:
 
     async def _fail_stream(self, response: web.StreamResponse, message: str) -> None:
         event = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
-        with contextlib.suppress(ConnectionError, RuntimeError):
+        with contextlib.suppress(*_CLIENT_GONE):
             await response.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
             await response.write_eof()
 
 
+def parse_json_object(body: bytes) -> tuple[dict | None, str]:
+    """The request body as a JSON object, or None and a message saying what is wrong with it."""
+    try:
+        payload = json.loads(body)
+    except RecursionError:
+        return None, "request body is nested too deeply"
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, over-long integers, bad bytes
+        return None, f"request body is not valid JSON: {exc}"
+    if not isinstance(payload, dict):
+        return None, "request body must be a JSON object"
+    return payload, ""
+
+
+def forwardable_headers(request: web.Request) -> tuple[dict[str, str], str | None]:
+    """The end-to-end headers to pass on, or the name of one that cannot be (non-UTF-8 bytes)."""
+    headers: dict[str, str] = {}
+    for name, value in request.headers.items():
+        if name.lower() in _HOP_HEADERS:
+            continue
+        try:
+            value.encode("utf-8")  # aiohttp keeps undecodable bytes as surrogate escapes
+        except UnicodeEncodeError:
+            return {}, name
+        headers[name] = value
+    return headers, None
+
+
+def _passed_headers(upstream: aiohttp.ClientResponse, names: tuple[str, ...]) -> dict[str, str]:
+    return {name: upstream.headers[name] for name in names if name in upstream.headers}
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+    """Every error the router itself gives is an OpenAI-style JSON body, never aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY_BYTES]
+        return openai_error(413, f"request body is larger than the router's limit of {limit} bytes")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "internal_error"
+        return openai_error(exc.status, f"{request.method} {request.path}: {exc.reason}", kind)
+    except Exception:
+        log.exception("router: unexpected error handling %s %s", request.method, request.path)
+        return openai_error(500, "internal error in the router", "internal_error")
+
+
 def create_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[openai_errors], client_max_size=router.config.max_body_bytes)
+    app[MAX_BODY_BYTES] = router.config.max_body_bytes
     app.router.add_get("/health", router.health)
     app.router.add_get("/health/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)

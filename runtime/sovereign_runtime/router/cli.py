@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+from pathlib import Path
 
 from aiohttp import web
 
@@ -26,6 +28,32 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-service", help="headless Service of the decode pool")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS")
     parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument(
+        "--failure-threshold",
+        type=int,
+        default=3,
+        metavar="N",
+        help="a worker's own failures in a row (connect errors, timeouts, failed checks) that take it out",
+    )
+    parser.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a worker stays out before one trial request (doubles while trials fail, up to 60 s)",
+    )
+    parser.add_argument(
+        "--internal-token-file",
+        metavar="PATH",
+        help="the deployment's internal token, sent to decode workers (else $SOVEREIGN_INTERNAL_TOKEN)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="larger request bodies get 413",
+    )
     parser.add_argument(
         "--disaggregation-threshold",
         type=int,
@@ -51,7 +79,26 @@ def validate_router_args(args: argparse.Namespace) -> str | None:
         return "router: --namespace is required with --*-service discovery"
     if args.max_attempts < 1:
         return "router: --max-attempts must be at least 1"
+    if args.failure_threshold < 1:
+        return "router: --failure-threshold must be at least 1"
+    if args.breaker_cooldown <= 0:
+        return "router: --breaker-cooldown must be positive"
+    if args.max_body_bytes < 1024:
+        return "router: --max-body-bytes must be at least 1024"
     return None
+
+
+def read_secret(path: str | None, env: str, flag: str) -> str | None:
+    """A secret from a file (stripped), else from the environment, else None."""
+    if path:
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise SystemExit(f"router: {flag} {path}: {exc.strerror or exc}") from None
+        if not value:
+            raise SystemExit(f"router: {flag} {path}: the file is empty")
+        return value
+    return os.environ.get(env) or None
 
 
 def run_router(args: argparse.Namespace) -> None:
@@ -60,6 +107,12 @@ def run_router(args: argparse.Namespace) -> None:
         policy=args.policy,
         health_interval_s=args.health_interval,
         max_attempts=args.max_attempts,
+        failure_threshold=args.failure_threshold,
+        breaker_cooldown_s=args.breaker_cooldown,
+        max_body_bytes=args.max_body_bytes,
+        internal_token=read_secret(
+            args.internal_token_file, "SOVEREIGN_INTERNAL_TOKEN", "--internal-token-file"
+        ),
         disaggregation_threshold_chars=args.disaggregation_threshold,
         static_members={"worker": args.worker, "prefill": args.prefill, "decode": args.decode},
     )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from .health import BreakerState, CircuitBreaker, FailureKind
 from .prefix_tree import ApproximatePrefixTree
 
 Role = Literal["worker", "prefill", "decode"]
@@ -15,16 +17,21 @@ Role = Literal["worker", "prefill", "decode"]
 class Worker:
     url: str
     role: Role
-    # Set by health checks: `alive` means it answers at all, `ready` that it takes new work (not
-    # starting, not draining). Only alive and ready workers get requests.
-    alive: bool = True
+    # `ready` is set by health checks and 503 answers: the worker takes new work (not starting, not
+    # draining). The breaker tracks the worker's own failures. Only ready workers whose breaker admits
+    # traffic get requests.
     ready: bool = True
     in_flight: int = 0
-    consecutive_failures: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def alive(self) -> bool:
+        """Not taken out for its own failures (an open breaker); a half-open one is on trial."""
+        return self.breaker.state is not BreakerState.OPEN
 
     @property
     def routable(self) -> bool:
-        return self.alive and self.ready
+        return self.ready and self.breaker.admits()
 
 
 class RoutingPolicy(Protocol):
@@ -120,9 +127,24 @@ def make_policy(name: str) -> RoutingPolicy:
 class WorkerPool:
     """The router's view of its workers, kept in step with discovery and health checks."""
 
-    def __init__(self, failure_threshold: int = 3) -> None:
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+        max_cooldown_s: float = 60.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self._clock = clock
         self._workers: dict[str, Worker] = {}
+
+    def _breaker(self) -> CircuitBreaker:
+        breaker = CircuitBreaker(self.failure_threshold, self.cooldown_s, self.max_cooldown_s)
+        if self._clock is not None:
+            breaker.clock = self._clock
+        return breaker
 
     def set_members(self, role: Role, urls: set[str]) -> list[str]:
         """Replace the members of one role; returns the URLs that left (so policies can forget them)."""
@@ -130,7 +152,8 @@ class WorkerPool:
         for url in gone:
             del self._workers[url]
         for url in urls:
-            self._workers.setdefault(url, Worker(url=url, role=role))
+            if url not in self._workers:
+                self._workers[url] = Worker(url=url, role=role, breaker=self._breaker())
         return gone
 
     def workers(self, role: Role | None = None) -> list[Worker]:
@@ -143,18 +166,26 @@ class WorkerPool:
         return self._workers.get(url)
 
     def record_success(self, worker: Worker) -> None:
-        worker.consecutive_failures = 0
-        worker.alive = True
+        """The worker answered (any status but 503 for a request): it works, whatever the request was."""
+        worker.breaker.record_success()
 
-    def record_failure(self, worker: Worker) -> None:
-        """A failed request or health check; after `failure_threshold` in a row the worker leaves rotation."""
-        worker.consecutive_failures += 1
-        if worker.consecutive_failures >= self.failure_threshold:
-            worker.alive = False
+    def record_failure(self, worker: Worker, kind: FailureKind) -> None:
+        """One of the worker's own failures; after `failure_threshold` in a row it leaves rotation.
+
+        Timeouts alone never take out the last routable worker of a role: they may be the router's or the
+        network's doing, and answering slowly beats answering every client "no worker is ready".
+        """
+        others = [w for w in self.routable(worker.role) if w is not worker]
+        last_one_standing = not others and worker.breaker.only_timeouts and kind is FailureKind.TIMEOUT
+        worker.breaker.record_failure(kind, may_open=not last_one_standing)
 
 
 def prompt_key(payload: dict) -> str:
-    """The text a prefix cache would key on: chat messages' contents or the completion prompt."""
+    """The text a prefix cache would key on: chat messages' contents or the completion prompt.
+
+    Any JSON object is accepted: whatever is malformed is the worker's to reject, so it contributes
+    nothing to the key rather than failing here.
+    """
     if isinstance(payload.get("messages"), list):
         parts = []
         for message in payload["messages"]:
@@ -162,8 +193,13 @@ def prompt_key(payload: dict) -> str:
                 continue
             content = message.get("content")
             if isinstance(content, list):  # content parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{message.get('role', '')}:{content or ''}\n")
+                content = "".join(
+                    p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+            role = message.get("role")
+            parts.append(
+                f"{role if isinstance(role, str) else ''}:{content if isinstance(content, str) else ''}\n"
+            )
         return "".join(parts)
     prompt = payload.get("prompt")
     if isinstance(prompt, str):

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from ..engine.sampling import SamplingParams
 from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
+from .edge import PARSE_INLINE_BYTES, check_prompt_size, parse_body, text_bytes
 from .generation import Step, collect, run_request
 from .metrics import ServerMetrics
 from .protocol import (
@@ -54,6 +55,11 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     warmup: bool = True
     model_root: str | None = None
+    # Larger bodies get 413 before they are read in full.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Requests admitted but not yet running in the engine; past this a new one gets 429 + Retry-After
+    # (the router tries another worker), instead of waiting behind all of them.
+    max_waiting_requests: int = 256
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -63,8 +69,20 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
 
+class QueueFull(APIError):
+    """429: the server's waiting queue is full; the client (or the router) should try again elsewhere."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=429, code="queue_full", type="rate_limit_exceeded")
+
+
 def _error_response(err: APIError) -> web.Response:
-    return _json(err.body(), status=err.status)
+    response = _json(err.body(), status=err.status)
+    if isinstance(err, QueueFull):
+        response.headers["Retry-After"] = str(QueueFull.RETRY_AFTER_S)
+    return response
 
 
 @web.middleware
@@ -73,6 +91,15 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except APIError as err:
         return _error_response(err)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_body_bytes
+        return _error_response(
+            APIError(
+                f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)",
+                status=413,
+                code="request_too_large",
+            )
+        )
     except web.HTTPException as exc:
         if not request.path.startswith("/v1/") or exc.status < 400:
             raise
@@ -94,7 +121,8 @@ def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable
     async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         # Probes and scrapes stay open; the API and the drain switch need the key.
         if request.path.startswith("/v1/") or request.path == "/drain":
-            given = request.headers.get("Authorization", "").encode()
+            # Undecodable header bytes arrive as surrogate escapes: compare them as the bytes they were.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise APIError(
                     "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -118,7 +146,7 @@ def create_app(
     middlewares = [_errors]
     if config.api_key:
         middlewares.append(_auth_middleware(config.api_key))
-    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = ServerState()
     app[STATE] = state
     app[CONFIG] = config
@@ -268,11 +296,22 @@ class _Api:
         return rt
 
     async def _body(self, request: web.Request) -> Any:
-        try:
-            raw = await request.read()
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(f"could not parse the JSON body: {exc}", code="invalid_json") from None
+        raw = await request.read()
+        if len(raw) > PARSE_INLINE_BYTES:  # keep the event loop answering while a big body parses
+            return await asyncio.to_thread(parse_body, raw)
+        return parse_body(raw)
+
+    def _admit(self, rt: LoadedRuntime) -> None:
+        """429 with Retry-After when the queue of admitted requests not yet running is full."""
+        stats = rt.engine.stats()
+        running = stats.num_requests_running if stats is not None else 0
+        waiting = max(0, self.state.in_flight - running)
+        if waiting >= self.config.max_waiting_requests:
+            self.server_metrics.rejected.labels(self.config.served_model_name, "queue_full").inc()
+            raise QueueFull(
+                f"{waiting} requests are already waiting (--max-waiting-requests"
+                f" {self.config.max_waiting_requests}); retry shortly or on another replica"
+            )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
@@ -287,10 +326,17 @@ class _Api:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         rt = self._runtime()
+        self._admit(rt)
         req = parse_chat_request(await self._body(request))
         self._check_model(req.model)
+        contents = [m.get("content") for m in req.messages]
+        size = text_bytes([c for c in contents if isinstance(c, str)])
+        check_prompt_size(size, rt.max_model_len, rt.tokenizer.max_token_bytes, "messages")
         try:
-            prompt_text, prompt_ids = rt.tokenizer.encode_chat(req.messages, req.add_generation_prompt)
+            # Template and tokenizer run on a thread: a long conversation must not stall the loop.
+            prompt_text, prompt_ids = await asyncio.to_thread(
+                rt.tokenizer.encode_chat, req.messages, req.add_generation_prompt
+            )
         except ChatTemplateError as exc:
             raise APIError(str(exc), param="messages", code="invalid_value") from None
         max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
@@ -402,11 +448,18 @@ class _Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         rt = self._runtime()
+        self._admit(rt)
         req = parse_completion_request(await self._body(request), rt.tokenizer.vocab_size)
         self._check_model(req.model)
         jobs = []
         for prompt in req.prompts:
-            ids = rt.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str):
+                check_prompt_size(
+                    text_bytes([prompt]), rt.max_model_len, rt.tokenizer.max_token_bytes, "prompt"
+                )
+                ids = await asyncio.to_thread(rt.tokenizer.encode, prompt)
+            else:
+                ids = prompt
             if not ids:
                 raise APIError("'prompt' must not be empty", param="prompt", code="invalid_value")
             max_tokens = resolve_max_tokens(

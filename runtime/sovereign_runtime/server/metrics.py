@@ -209,6 +209,14 @@ class ServerMetrics:
         )
         for reason in FINISHED_REASONS:
             self._success.labels(model_name, reason)
+        # Requests refused for load (429): load the autoscaler should see, though they never ran.
+        self.rejected = Counter(
+            "sovereign:requests_rejected",
+            "Requests refused for load, by reason.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.rejected.labels(model_name, "queue_full")
         r.register(_EngineCollector(model_name, stats, phase, self_test))
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:

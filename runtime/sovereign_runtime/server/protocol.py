@@ -17,6 +17,14 @@ from ..engine.api import InvalidRequest
 from ..engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
+# OpenAI features this server does not have yet: refused by name, never accepted and ignored.
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+}
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -162,6 +170,21 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     best_of = _get_int(body, "best_of")
     if best_of is not None and best_of != 1:
         raise _bad("best_of", "only 'best_of': 1 is supported", "unsupported_value")
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if body.get(name) not in (None, [], {}) and not (name == "tool_choice" and body[name] == "none"):
+            raise _bad(name, f"'{name}': {why}; leave it out", "unsupported_value")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise _bad(
+                "response_format",
+                f"'response_format' {kind or response_format!r} is not supported (constrained decoding is"
+                " not implemented); only {'type': 'text'}",
+                "unsupported_value",
+            )
+    if body.get("logit_bias") not in (None, {}):
+        raise _bad("logit_bias", "'logit_bias' is not supported yet; leave it out", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
         if _get_number(body, name, 0.0) != 0.0:
             raise _bad(name, f"'{name}' is not supported; send 0 or leave it out", "unsupported_value")
@@ -230,6 +253,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
         out["content"] = _message_text(msg.get("content"), i)
         if out["content"] is None and role != "assistant":
             raise _bad(f"messages[{i}].content", "'content' is required", "missing_required_parameter")
+        if msg.get("tool_calls") not in (None, []):
+            raise _bad(
+                f"messages[{i}].tool_calls",
+                "tool calling is not supported yet: a history with tool calls cannot be rendered faithfully",
+                "unsupported_value",
+            )
+        if out["content"] is None:
+            out["content"] = ""  # an assistant turn with no text (OpenAI sends null)
         clean.append(out)
     stream, include_usage = _parse_stream(body)
     return ChatRequest(
@@ -271,6 +302,8 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
             "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
             "invalid_type",
         )
+    if len(prompts) > MAX_PROMPTS:
+        raise _bad("prompt", f"'prompt' takes at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     for p in prompts:
         if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
             raise _bad("prompt", f"token ids in 'prompt' must be in [0, {vocab_size})")
