@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from .builtin import resolve_builtin
 from .engine.async_engine import AsyncEngine
 from .engine.engine import EngineConfig, LLMEngine
+from .engine.selftest import prepare_output_guard
 from .engine.tensor_parallel import (
     TensorParallelLeader,
     WorkerGroup,
@@ -27,6 +29,7 @@ from .engine.tensor_parallel import (
 )
 from .model import load_model
 from .model.config import ModelConfig
+from .model.faults import FaultSpec
 from .model.parallel import TensorParallel, tensor_parallel_problem
 from .server.state import LoadedRuntime, Loader, ProgressFn
 from .tokenizer import Tokenizer
@@ -45,6 +48,9 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     # Set when serving with --tensor-parallel-size > 1: this process is rank 0 of the group.
     tensor_parallel: WorkerGroup | None = None
+    # The output self-test before ready and periodically (engine/selftest.py), and a test-only fault.
+    self_test: bool = True
+    fault: FaultSpec | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -86,11 +92,18 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
         dtype=dtype,
     )
     engine = AsyncEngine(LLMEngine.from_model(model, config))
+    # builtin:sovereign-tiny knows its exact answers; any model gets batch invariance, numerics, weights.
+    tiny = options.model_path.resolve() == resolve_builtin("sovereign-tiny").resolve()
+    self_test, saturated = prepare_output_guard(
+        engine, tokenizer, self_test=options.self_test, known_answers=tiny, fault=options.fault
+    )
     progress("loading_weights", 1.0, "weights loaded")
     return LoadedRuntime(
         engine=engine,
         tokenizer=tokenizer,
         max_model_len=engine.max_model_len,
+        self_test=self_test,
+        saturated=saturated,
         close=engine.shutdown if group is None else lambda: _close_group(engine, model, group),
     )
 

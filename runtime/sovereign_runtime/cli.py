@@ -16,12 +16,14 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from . import builtin
 from .assembly import DTYPES, EngineOptions, make_loader, serve_worker, tensor_parallel_problem_for
 from .disagg.service import ROLES, DisaggConfig, DisaggService
+from .engine.repetition import check_window
 from .engine.tensor_parallel import spawn_workers
+from .model.faults import FaultSpec
 from .router import cli as router_cli
 from .server import ServerConfig, create_app, serve
 
@@ -70,8 +72,6 @@ def _non_negative_float(text: str) -> float:
 
 
 def _repetition_window(text: str) -> int:
-    from .engine.repetition import check_window
-
     try:
         value = int(text)
         check_window(value)
@@ -249,7 +249,7 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
         return "127.0.0.1"
 
 
-def fault_spec(args: argparse.Namespace) -> Any:
+def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
     """The test-only ``FaultSpec`` of ``--inject-fault``, refused unless ``--enable-fault-injection``."""
     if args.inject_fault is None:
         if args.enable_fault_injection:
@@ -261,8 +261,6 @@ def fault_spec(args: argparse.Namespace) -> Any:
         )
     if args.tensor_parallel_size > 1:
         raise UsageError("serve: --inject-fault works with --tensor-parallel-size 1 only")
-    from .model.faults import FaultSpec
-
     try:
         return FaultSpec.parse(args.inject_fault)
     except ValueError as exc:
@@ -301,6 +299,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks,
+        self_test=not args.no_self_test,
+        fault=fault_spec(args),
     )
     config = ServerConfig(
         served_model_name=name,
@@ -310,6 +310,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model_root=args.model,
         max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
+        self_test_interval_s=args.self_test_interval,
+        repetition_window=args.repetition_window,
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:

@@ -135,7 +135,7 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
             assert status == 503 and 0.0 <= body["progress"] <= 1.0
             time.sleep(0.02)
         assert phases[-1] == "ready"
-        assert set(phases) <= {"loading_weights", "compiling", "warming_up", "ready"}
+        assert set(phases) <= {"loading_weights", "compiling", "warming_up", "self_test", "ready"}
         assert _get(base + "/health/ready")[0] == 200
         auth = {"Authorization": "Bearer k-123"}
         assert _get(base + "/v1/models")[0] == 401

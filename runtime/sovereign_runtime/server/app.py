@@ -20,6 +20,7 @@ from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
 from .edge import PARSE_INLINE_BYTES, check_prompt_size, parse_body, text_bytes
 from .generation import Step, collect, run_request
 from .metrics import ServerMetrics
+from .output_health import OutputHealthMonitor
 from .protocol import (
     APIError,
     parse_chat_request,
@@ -60,6 +61,10 @@ class ServerConfig:
     # Requests admitted but not yet running in the engine; past this a new one gets 429 + Retry-After
     # (the router tries another worker), instead of waiting behind all of them.
     max_waiting_requests: int = 256
+    # The output self-test (when the loader provides one): rerun every this many seconds; 0: startup only.
+    self_test_interval_s: float = 300.0
+    # Default repetition window for requests that do not set repetition_window (0: off).
+    repetition_window: int = 0
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -154,6 +159,7 @@ def create_app(
         config.served_model_name,
         stats=lambda: state.runtime.engine.stats() if state.runtime else None,
         phase=lambda: state.phase,
+        self_test=state.self_test_health,
     )
     app[LOADER] = loader
     if runtime is not None:
@@ -173,9 +179,9 @@ def create_app(
 
 
 async def _close_runtime(app: web.Application) -> None:
-    task = app[STATE].startup_task
-    if task is not None and not task.done():
-        task.cancel()
+    for task in (app[STATE].startup_task, app[STATE].self_test_task):
+        if task is not None and not task.done():
+            task.cancel()
     rt = app[STATE].runtime
     if rt is not None and rt.close is not None:
         result = rt.close()
@@ -204,6 +210,14 @@ async def _startup(app: web.Application) -> None:
         state.runtime = rt
         if config.warmup:
             await _warm_up(state, rt)
+        if rt.self_test is not None:
+            # Ready only once this process answers correctly; then again every interval, in the background.
+            state.report("self_test", 0.0, "output self-test")
+            monitor = OutputHealthMonitor(
+                state, rt.self_test, rt.saturated or (lambda: False), config.self_test_interval_s
+            )
+            await monitor.run_once()
+            state.self_test_task = asyncio.get_running_loop().create_task(monitor.periodic())
         state.report("ready", 1.0, "")
     except asyncio.CancelledError:
         raise
@@ -251,6 +265,12 @@ class _Api:
     async def ready(self, request: web.Request) -> web.Response:
         if self.state.draining:
             return _json({"status": "draining", "in_flight": self.state.in_flight}, status=503)
+        failure = self.state.output_failure
+        if self.state.started and failure is not None:
+            check = (self.state.self_test or {}).get("failing_check")
+            return _json(
+                {"status": "output_unhealthy", "failing_check": check, "reason": failure}, status=503
+            )
         if not self.state.ready:
             return _json({"status": "starting", **self.state.snapshot()}, status=503)
         return _json({"status": "ready"})
@@ -287,6 +307,14 @@ class _Api:
                 "the server is draining and accepts no new requests", status=503, type="service_unavailable"
             )
         rt = self.state.runtime
+        failure = self.state.output_failure
+        if self.state.started and failure is not None:
+            raise APIError(
+                f"this server's output self-test is failing ({failure}); it takes no requests until a"
+                " self-test passes",
+                status=503,
+                type="service_unavailable",
+            )
         if rt is None or not self.state.ready:
             raise APIError(
                 f"the model is not ready yet (phase {self.state.phase})",
@@ -340,7 +368,7 @@ class _Api:
         except ChatTemplateError as exc:
             raise APIError(str(exc), param="messages", code="invalid_value") from None
         max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
-        params = sampling_params(req.sampling, max_tokens)
+        params = sampling_params(req.sampling, max_tokens, self.config.repetition_window)
         started_thinking = prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
         steps = run_request(
@@ -465,7 +493,7 @@ class _Api:
             max_tokens = resolve_max_tokens(
                 req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
             )
-            jobs.append((ids, sampling_params(req.sampling, max_tokens)))
+            jobs.append((ids, sampling_params(req.sampling, max_tokens, self.config.repetition_window)))
         rid = _new_id("cmpl")
         self.state.request_started()
         try:

@@ -6,11 +6,11 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..engine.api import InvalidRequest, RequestOutput, TokenLogprob
+from ..engine.api import InvalidRequest, RequestFailed, RequestOutput, TokenLogprob
 from ..engine.sampling import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from .metrics import ServerMetrics
-from .protocol import request_error
+from .protocol import APIError, request_error
 from .state import EngineLike
 
 
@@ -61,7 +61,20 @@ async def _user_errors(
             return
         except InvalidRequest as exc:
             raise request_error(exc, param_names) from None
+        except RequestFailed as exc:
+            # Not the client's fault (non-finite logits, an engine-step exception): a 500 naming why, in
+            # the body or as the stream's error event; never a token sampled from it.
+            raise _Failed(exc) from None
         yield out
+
+
+class _Failed(APIError):
+    """The engine failed this request; ``run_request`` records it as finished with ``error``."""
+
+    def __init__(self, exc: RequestFailed) -> None:
+        super().__init__(
+            f"the request failed in the engine: {exc}", status=500, type="internal_error", code=exc.kind
+        )
 
 
 async def run_request(
@@ -120,6 +133,9 @@ async def run_request(
             yield step
             if finish is not None:
                 break
+    except _Failed:
+        finish = "error"
+        raise
     finally:
         # Closing before the engine finished aborts the request (stop string, disconnect, cancellation).
         await gen.aclose()

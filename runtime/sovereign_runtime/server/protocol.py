@@ -66,6 +66,7 @@ class SamplingRequest:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: chosen token plus n alternatives
     min_tokens: int = 0
+    repetition_window: int | None = None  # None: the server's --repetition-window
     # Engine field -> the OpenAI parameter the client sent for it, where the names differ.
     param_names: dict[str, str] = field(default_factory=dict)
 
@@ -141,6 +142,7 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     s.param_names["prompt"] = "messages" if chat else "prompt"
     s.seed = _get_int(body, "seed")
     s.min_tokens = _get_int(body, "min_tokens") or 0
+    s.repetition_window = _get_int(body, "repetition_window")
     stop = body.get("stop")
     if stop is None:
         s.stop = []
@@ -344,7 +346,7 @@ def resolve_max_tokens(
     return sampling.max_tokens
 
 
-def sampling_params(sampling: SamplingRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(sampling: SamplingRequest, max_tokens: int, repetition_window: int = 0) -> SamplingParams:
     """The engine's parameters for one prompt; a bound ``SamplingParams`` refuses becomes a 400 naming the
     parameter the client sent."""
     try:
@@ -359,6 +361,9 @@ def sampling_params(sampling: SamplingRequest, max_tokens: int) -> SamplingParam
             logprobs=sampling.logprobs,
             # A floor above the budget asks for the whole budget.
             min_tokens=min(sampling.min_tokens, max_tokens),
+            repetition_window=(
+                repetition_window if sampling.repetition_window is None else sampling.repetition_window
+            ),
         )
     except InvalidRequest as exc:
         raise request_error(exc, sampling.param_names) from None

@@ -67,6 +67,7 @@ class ServerState:
         self.drain_requested = asyncio.Event()
         self.startup_task: asyncio.Task[None] | None = None
         self.stop_requested = asyncio.Event()
+        self.self_test_task: asyncio.Task[None] | None = None  # the periodic self-test
         # The output self-test (sovereign_runtime.engine.selftest): the last report's JSON (None until one
         # ran, or when the self-test is off), and counts for the metrics.
         self.self_test: dict[str, Any] | None = None
