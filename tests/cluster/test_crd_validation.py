@@ -214,6 +214,13 @@ CASES = [
         "min must be less than or equal to max",
         cel=True,
     ),
+    Case(
+        "restart-backoff-le-cap",
+        patched(CPU_SPEC, "remediation", {"restartBackoffSeconds": 600, "maxRestartBackoffSeconds": 300}),
+        "spec.remediation",
+        "restartBackoffSeconds must be less than or equal to maxRestartBackoffSeconds",
+        cel=True,
+    ),
 ]
 
 
