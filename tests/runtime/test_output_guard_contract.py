@@ -185,9 +185,11 @@ def test_a_pod_whose_self_test_fails_leaves_the_rotation_and_the_other_serves(
     )
     code, ready = _get(faulty + "/health/ready")
     assert code == 503
-    assert ready["status"] == "output_unhealthy" and ready["failing_check"] == "batch_invariance"
+    # NaN in every step trips whichever check runs first: the batch comparison or the known answers.
+    assert ready["status"] == "output_unhealthy"
+    assert ready["failing_check"] in ("batch_invariance", "known_answers"), ready
     startup = _get(faulty + "/health/startup")[1]
-    assert startup["self_test"]["passed"] is False and "non-finite" in startup["self_test"]["reason"]
+    assert startup["self_test"]["passed"] is False and startup["self_test"]["reason"], startup
     _, metrics = _get(faulty + "/metrics")
     assert re.search(r"^sovereign:self_test_passing\{[^}]*\} 0\.0$", metrics, re.M)
     assert re.search(r"^sovereign:nonfinite_logits_total\{[^}]*\} [1-9]", metrics, re.M)
