@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -32,6 +34,14 @@ torch.set_num_threads(1)
         ({"logprobs": 21}, "logprobs"),
         ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"logit_bias": [[1, 2]]}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"logit_bias": {"3": "1"}}, "logit_bias"),
+        ({"logit_bias": {"3": math.inf}}, "logit_bias"),
+        ({"logit_bias": {"3": 100.5}}, "logit_bias"),
+        ({"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
+        ({"logit_bias": {"3": 1, 3: 2}}, "logit_bias"),
     ],
 )
 def test_invalid_params_name_the_parameter_and_range(kwargs: dict, name: str) -> None:
@@ -43,6 +53,18 @@ def test_invalid_params_name_the_parameter_and_range(kwargs: dict, name: str) ->
 def test_valid_params_normalise() -> None:
     p = SamplingParams(temperature=0, top_k=-1, stop_token_ids=(3, 4), logprobs=0)
     assert p.greedy and p.top_k == 0 and p.stop_token_ids == [3, 4]
+
+
+def test_logit_bias_keys_normalise_and_survive_a_json_round_trip() -> None:
+    p = SamplingParams(logit_bias={"15": -100, 7: 2.5})
+    assert p.logit_bias == {15: -100.0, 7: 2.5}
+    # The PD path ships parameters as JSON (integer keys come back as strings) and samples the first token
+    # with for_first_token(): the bias must survive both.
+    again = SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))).for_first_token()
+    assert again.logit_bias == p.logit_bias
+    p.check_vocab(16)
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 15\), got 15"):
+        p.check_vocab(15)
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -122,3 +144,62 @@ def test_logprobs_of_chosen_and_top_n() -> None:
     assert [t for t, _ in top] == ref[0].topk(3).indices.tolist()
     assert all(math.isclose(lp, ref[0, t].item(), rel_tol=1e-6) for t, lp in top)
     assert sum(math.exp(lp) for lp in (lp for _, lp in top)) <= 1.0
+
+
+def test_logit_bias_ban_under_greedy_is_never_chosen() -> None:
+    logits = _logits(rows=4)
+    top = logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0, logit_bias={t: -100}) for t in top]
+    out = Sampler()(logits, params, [None] * 4)
+    assert all(chosen != banned for chosen, banned in zip(out.token_ids, top, strict=True))
+    # The runner-up is what greedy picks once the favourite is banned.
+    runner_up = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    assert out.token_ids == runner_up
+    # The model's logits are untouched (the bias goes into a copy).
+    assert logits.argmax(-1).tolist() == top
+
+
+def test_logit_bias_ban_under_sampling_is_never_chosen() -> None:
+    # Two tokens with almost all the mass: banning one leaves the other, whatever the noise draws.
+    logits = torch.tensor([[5.0, 5.0, -5.0, -5.0]]).repeat(500, 1)
+    out = Sampler()(logits, [SamplingParams(temperature=1.0, logit_bias={0: -100})] * 500, [None] * 500)
+    assert 0 not in out.token_ids and out.token_ids.count(1) > 450
+
+
+def test_logit_bias_force_is_always_chosen_greedy_and_sampled() -> None:
+    logits = _logits(rows=2, vocab=1000)
+    forced = int(logits[0].argmin())
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.5, top_p=0.9, top_k=40)):
+        params.logit_bias = {forced: 100.0}
+        for _ in range(20):
+            assert Sampler()(logits[:1], [params], [None]).token_ids == [forced]
+
+
+def test_logit_bias_in_a_mixed_batch_stays_in_its_row() -> None:
+    logits = _logits(rows=4, vocab=50)
+    top = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100}),  # forced
+        SamplingParams(temperature=0),  # untouched
+        SamplingParams(temperature=0, logit_bias={top[2]: -100}),  # banned
+        SamplingParams(temperature=1.0, logit_bias={9: 100, top[3]: -100}),  # sampled, forced
+    ]
+    for _ in range(10):
+        out = Sampler()(logits, params, [None] * 4)
+        assert out.token_ids[0] == 7
+        assert out.token_ids[1] == top[1]
+        assert out.token_ids[2] == logits[2].topk(2).indices[1].item()
+        assert out.token_ids[3] == 9
+
+
+def test_logprobs_are_of_the_biased_distribution() -> None:
+    logits = _logits(rows=1)
+    bias = {3: 100.0, 4: -100.0}
+    out = Sampler()(logits, [SamplingParams(temperature=0, logprobs=2, logit_bias=bias)], [None])
+    biased = logits.clone()
+    biased[0, 3] += 100
+    biased[0, 4] -= 100
+    ref = torch.log_softmax(biased, -1)
+    assert out.token_ids == [3]
+    assert math.isclose(out.logprobs[0], ref[0, 3].item(), rel_tol=1e-6, abs_tol=1e-6)
+    assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(2).indices.tolist()

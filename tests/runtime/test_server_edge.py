@@ -50,6 +50,10 @@ def _chat(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
 
 
+def _completion(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **extra}
+
+
 def _assert_error(status: int, body: Any, expected: int, param: str | None = None) -> dict[str, Any]:
     assert status == expected, body
     error = body["error"]
@@ -104,7 +108,6 @@ def test_an_over_long_prompt_is_refused_by_its_size_before_tokenisation(
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ({"logit_bias": {"15": -100}}, "logit_bias"),
     ],
 )
 def test_features_we_lack_are_refused_by_name_never_ignored(
@@ -117,6 +120,61 @@ def test_features_we_lack_are_refused_by_name_never_ignored(
 def test_what_is_supported_of_those_still_works(server: LiveServer) -> None:
     for changes in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"logit_bias": {}}):
         assert server.request("POST", CHAT, _chat(**changes))[0] == 200, changes
+
+
+@pytest.mark.parametrize(
+    ("logit_bias", "code", "fragment"),
+    [
+        ([15, -100], "invalid_type", "must be an object"),
+        ("15:-100", "invalid_type", "must be an object"),
+        ({"fifteen": -100}, "invalid_value", "integer token ids"),
+        ({"1.5": -100}, "invalid_value", "integer token ids"),
+        ({"-1": -100}, "invalid_value", "non-negative"),
+        ({"262": 5}, "invalid_value", "[0, 262)"),
+        ({"99999999999999999999999": 5}, "invalid_value", "integer token ids"),
+        ({"15": "-100"}, "invalid_value", "finite numbers"),
+        ({"15": None}, "invalid_value", "finite numbers"),
+        ({"15": True}, "invalid_value", "finite numbers"),
+        ({"15": -100.01}, "invalid_value", "[-100, 100]"),
+        ({"15": 1e9}, "invalid_value", "[-100, 100]"),
+        ({str(t): 1 for t in range(301)}, "invalid_value", "at most 300"),
+    ],
+    ids=lambda v: str(v)[:24],
+)
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_bad_logit_bias_is_a_400_naming_it(
+    server: LiveServer, path: str, logit_bias: Any, code: str, fragment: str
+) -> None:
+    body = _chat(logit_bias=logit_bias) if path == CHAT else _completion(logit_bias=logit_bias)
+    status, answer = server.request("POST", path, body)
+    error = _assert_error(status, answer, 400, "logit_bias")
+    assert error["code"] == code and fragment in error["message"], error
+
+
+def test_non_finite_logit_bias_is_a_400(server: LiveServer) -> None:
+    # JSON has no NaN, but Python's json (the server's parser and some clients) reads and writes it.
+    raw = (
+        b'{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"15": NaN}}'
+    )
+    status, answer = server.request("POST", CHAT, raw=raw)
+    assert "finite" in _assert_error(status, answer, 400, "logit_bias")["message"]
+
+
+def test_a_valid_logit_bias_reaches_the_engine_normalised(tokenizer: Tokenizer) -> None:
+    engine = _engine(tokenizer)
+    srv = _serve(engine, tokenizer)
+    try:
+        bias: dict[str, float] = {str(t): -100 for t in range(200)}
+        bias["261"] = 100.0
+        status, answer = srv.request("POST", CHAT, _chat(logit_bias=bias))
+        assert status == 200, answer
+        assert srv.request("POST", COMP, _completion(logit_bias={"7": 2.5}))[0] == 200
+        assert srv.request("POST", COMP, _completion(logit_bias={}))[0] == 200
+    finally:
+        srv.close()
+    chat_params, comp_params, empty_params = engine.seen_params
+    assert chat_params.logit_bias == {int(k): float(v) for k, v in bias.items()}
+    assert comp_params.logit_bias == {7: 2.5} and empty_params.logit_bias == {}
 
 
 def test_the_openai_tool_call_history_is_a_400_not_a_500(server: LiveServer) -> None:

@@ -201,6 +201,7 @@ class LLMEngine:
             raise InvalidRequest("prompt", "must contain at least one token")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise InvalidRequest("prompt", f"token ids must be in [0, {self.vocab_size})")
+        params.check_vocab(self.vocab_size)
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_token_ids), len(prompt_token_ids), params)
         seq.generator = make_generator(params.seed, self.device)
         if params.repetition_window:

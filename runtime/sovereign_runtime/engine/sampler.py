@@ -1,4 +1,8 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched token sampling: logit bias, greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+A request's ``logit_bias`` is added to its row's logits first, so every later step (greedy argmax,
+temperature, filters, logprobs) sees the biased distribution, as OpenAI's API does. Rows without a bias
+cost nothing; a batch with any costs one scatter into a copy of the logits.
 
 One call handles a whole batch with tensor ops; the only per-row Python work is drawing the noise for
 seeded requests from their own ``torch.Generator`` (that is what makes a seeded request reproducible
@@ -24,8 +28,8 @@ NONFINITE = -1
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Log-probability of each chosen token under the model's (untempered) distribution; None where the
-    # request did not ask for logprobs.
+    # Log-probability of each chosen token under the model's untempered distribution after the request's
+    # logit_bias (OpenAI computes logprobs after the bias too); None where the request did not ask.
     logprobs: list[float | None]
     # The ``params.logprobs`` most likely (token, logprob) pairs per row, or None.
     top_logprobs: list[list[tuple[int, float]] | None]
@@ -49,6 +53,7 @@ class Sampler:
         """Sample one token per row of ``logits`` (float32 ``[rows, vocab]``)."""
         rows = logits.shape[0]
         assert len(params) == rows == len(generators)
+        logits = apply_logit_bias(logits, params)
         greedy = [p.temperature == 0.0 for p in params]
         chosen = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, params, generators, greedy)
         if self.check_finite:
@@ -123,6 +128,31 @@ class Sampler:
         """
         if generator is not None and not params.greedy:
             _draw_noise(torch.empty(vocab_size, dtype=torch.float32, device=generator.device), generator)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` with each row's ``logit_bias`` added (a new tensor; the same one when no row has one).
+
+    Token ids were checked against the vocabulary when the request was admitted (``check_vocab``).
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    if not rows:
+        return logits
+    device = logits.device
+    biased = logits.float().clone()
+    biased.index_put_(
+        (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+        torch.tensor(values, device=device, dtype=biased.dtype),
+        accumulate=True,
+    )
+    return biased
 
 
 def _draw_noise(row: torch.Tensor, generator: torch.Generator) -> None:

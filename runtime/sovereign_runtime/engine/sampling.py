@@ -4,7 +4,10 @@ trust them. A violated bound raises ``InvalidRequest`` naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from .api import InvalidRequest
 from .repetition import check_window
@@ -14,6 +17,9 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 SEED_LIMIT = 2**63
+# OpenAI's own bounds for logit_bias: at most 300 tokens, each biased by a number in [-100, 100].
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -23,6 +29,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` disable those filters.
     ``logprobs=None`` returns none; ``logprobs=n`` returns the chosen token's log-probability plus the
     ``n`` most likely alternatives. Stop *strings* are the server's job (it sees the text).
+    ``logit_bias`` maps token ids to a number in [-100, 100] added to that token's logit before anything
+    else (temperature, filters, greedy argmax, logprobs): -100 effectively bans a token, +100 forces it.
+    Keys may be integers or decimal strings (OpenAI's JSON form, and what a JSON round trip gives back);
+    validation normalises them to ``dict[int, float]``. Ids are checked against the vocabulary by
+    ``check_vocab``, which the engine calls (this class does not know the model).
     """
 
     temperature: float = 1.0
@@ -37,6 +48,7 @@ class SamplingParams:
     # End the request (finish_reason "error") once its last N tokens repeat a pattern of <= 8 tokens;
     # 0: off (engine/repetition.py).
     repetition_window: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +87,13 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check_window(self.repetition_window)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a ``logit_bias`` token id outside the model's vocabulary ``[0, vocab_size)``."""
+        outside = [t for t in self.logit_bias if t >= vocab_size]
+        if outside:
+            _bad("logit_bias", f"token ids must be in [0, {vocab_size}), got {outside[0]}")
 
     @property
     def greedy(self) -> bool:
@@ -90,7 +109,41 @@ class SamplingParams:
         return dataclasses.replace(self, max_tokens=1, min_tokens=0)
 
 
-def _bad(name: str, rule: str) -> None:
+def _normalise_logit_bias(bias: object) -> dict[int, float]:
+    if not isinstance(bias, Mapping):
+        _bad("logit_bias", f"must be an object mapping token ids to biases, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        _bad("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_id(key)
+        if token in out:
+            _bad("logit_bias", f"keys must be distinct token ids, got {token} twice")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            _bad("logit_bias", f"values must be finite numbers, got {value!r} for token {token}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            _bad(
+                "logit_bias",
+                f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r} for token {token}",
+            )
+        out[token] = float(value)
+    return out
+
+
+def _token_id(key: object) -> int:
+    # JSON object keys are strings: OpenAI sends {"15": -100}; a Python caller may pass ints.
+    if isinstance(key, int) and not isinstance(key, bool):
+        token = key
+    elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+        token = int(key)
+    else:
+        _bad("logit_bias", f"keys must be non-negative integer token ids, got {key!r}")
+    if token < 0:
+        _bad("logit_bias", f"keys must be non-negative integer token ids, got {key!r}")
+    return token
+
+
+def _bad(name: str, rule: str) -> NoReturn:
     raise InvalidRequest(name, rule)
 
 

@@ -368,7 +368,9 @@ class _Api:
         except ChatTemplateError as exc:
             raise APIError(str(exc), param="messages", code="invalid_value") from None
         max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
-        params = sampling_params(req.sampling, max_tokens, self.config.repetition_window)
+        params = sampling_params(
+            req.sampling, max_tokens, rt.tokenizer.vocab_size, self.config.repetition_window
+        )
         started_thinking = prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
         steps = run_request(
@@ -493,7 +495,14 @@ class _Api:
             max_tokens = resolve_max_tokens(
                 req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
             )
-            jobs.append((ids, sampling_params(req.sampling, max_tokens, self.config.repetition_window)))
+            jobs.append(
+                (
+                    ids,
+                    sampling_params(
+                        req.sampling, max_tokens, rt.tokenizer.vocab_size, self.config.repetition_window
+                    ),
+                )
+            )
         rid = _new_id("cmpl")
         self.state.request_started()
         try:

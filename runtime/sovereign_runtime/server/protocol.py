@@ -67,6 +67,7 @@ class SamplingRequest:
     logprobs: int | None = None  # None: none; n: chosen token plus n alternatives
     min_tokens: int = 0
     repetition_window: int | None = None  # None: the server's --repetition-window
+    logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
     # Engine field -> the OpenAI parameter the client sent for it, where the names differ.
     param_names: dict[str, str] = field(default_factory=dict)
 
@@ -185,8 +186,15 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
                 " not implemented); only {'type': 'text'}",
                 "unsupported_value",
             )
-    if body.get("logit_bias") not in (None, {}):
-        raise _bad("logit_bias", "'logit_bias' is not supported yet; leave it out", "unsupported_value")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:
+        if not isinstance(logit_bias, dict):
+            raise _bad(
+                "logit_bias",
+                f"'logit_bias' must be an object mapping token ids to biases, got {_type_name(logit_bias)}",
+                "invalid_type",
+            )
+        s.logit_bias = logit_bias
     for name in ("presence_penalty", "frequency_penalty"):
         if _get_number(body, name, 0.0) != 0.0:
             raise _bad(name, f"'{name}' is not supported; send 0 or leave it out", "unsupported_value")
@@ -346,11 +354,13 @@ def resolve_max_tokens(
     return sampling.max_tokens
 
 
-def sampling_params(sampling: SamplingRequest, max_tokens: int, repetition_window: int = 0) -> SamplingParams:
+def sampling_params(
+    sampling: SamplingRequest, max_tokens: int, vocab_size: int, repetition_window: int = 0
+) -> SamplingParams:
     """The engine's parameters for one prompt; a bound ``SamplingParams`` refuses becomes a 400 naming the
-    parameter the client sent."""
+    parameter the client sent. ``vocab_size`` bounds the token ids in ``logit_bias``."""
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -364,7 +374,10 @@ def sampling_params(sampling: SamplingRequest, max_tokens: int, repetition_windo
             repetition_window=(
                 repetition_window if sampling.repetition_window is None else sampling.repetition_window
             ),
+            logit_bias=sampling.logit_bias,
         )
+        params.check_vocab(vocab_size)
+        return params
     except InvalidRequest as exc:
         raise request_error(exc, sampling.param_names) from None
 
