@@ -1,0 +1,116 @@
+"""logit_bias end to end: the real engine and model (tiny random checkpoint, CPU) through the HTTP server.
+
+The byte-level test tokenizer has one token per byte, so once every token outside ASCII letters and digits
+is banned, a reply's text names its tokens exactly and the tests can read what the sampler chose.
+"""
+
+from __future__ import annotations
+
+import string
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_support import LiveServer, byte_tokenizer_checkpoint
+from sovereign_runtime.assembly import EngineOptions, make_loader
+from sovereign_runtime.server import ServerConfig, create_app
+from sovereign_runtime.server.app import STATE
+from sovereign_runtime.tokenizer import Tokenizer
+
+MODEL = "tiny-bias"
+VOCAB = 262  # byte_tokenizer_checkpoint's vocabulary
+ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    checkpoint = byte_tokenizer_checkpoint(tiny_checkpoint_factory, tmp_path_factory.mktemp("bias") / "ckpt")
+    options = EngineOptions(
+        model_path=checkpoint, device="cpu", max_model_len=128, max_num_seqs=4, num_kv_blocks=32
+    )
+    srv = LiveServer(create_app(ServerConfig(served_model_name=MODEL), loader=make_loader(options)))
+    try:
+        deadline = time.monotonic() + 120
+        while srv.request("GET", "/health/startup")[0] != 200:
+            assert srv.app[STATE].phase != "failed", srv.app[STATE].error
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.05)
+        yield srv
+    finally:
+        srv.close()
+
+
+def _tokenizer(server: LiveServer) -> Tokenizer:
+    rt = server.app[STATE].runtime
+    assert rt is not None
+    return rt.tokenizer
+
+
+def _ids(tokenizer: Tokenizer, chars: str) -> set[int]:
+    ids = [tokenizer.encode(c, add_special_tokens=False) for c in chars]
+    assert all(len(i) == 1 for i in ids)
+    return {i[0] for i in ids}
+
+
+def _alphanumeric_only(tokenizer: Tokenizer) -> dict[str, float]:
+    allowed = _ids(tokenizer, ALPHANUMERIC)
+    return {str(t): -100 for t in range(VOCAB) if t not in allowed}
+
+
+def _complete(server: LiveServer, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    status, answer = server.request("POST", "/v1/completions", {**body, **extra})
+    assert status == 200, answer
+    return answer["choices"][0]
+
+
+def test_banned_tokens_never_appear(server: LiveServer) -> None:
+    tokenizer = _tokenizer(server)
+    bias = _alphanumeric_only(tokenizer)
+    first = _complete(server, logit_bias=bias)["text"]
+    assert len(first) == 12 and set(first) <= set(ALPHANUMERIC), first
+    # Ban every token greedy chose: none of them comes back, the first token included (sampled with the
+    # prefill), and the reply is still 12 tokens long.
+    bias.update({str(t): -100 for t in _ids(tokenizer, first)})
+    second = _complete(server, logit_bias=bias)["text"]
+    assert len(second) == 12 and set(second) <= set(ALPHANUMERIC), second
+    assert not set(second) & set(first), (first, second)
+
+
+def test_a_forced_token_always_appears_greedy_sampled_and_in_chat(server: LiveServer) -> None:
+    tokenizer = _tokenizer(server)
+    (z,) = _ids(tokenizer, "Z")
+    greedy = _complete(server, logit_bias={str(z): 100}, logprobs=1)
+    assert greedy["text"] == "Z" * 12
+    # logprobs are those of the biased distribution (OpenAI's order): the forced token is near-certain.
+    assert all(lp > -1e-3 for lp in greedy["logprobs"]["token_logprobs"]), greedy["logprobs"]
+    sampled = _complete(server, logit_bias={str(z): 100}, temperature=1.0, top_p=0.9, seed=3)
+    assert sampled["text"] == "Z" * 12
+    status, chat = server.request(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "logit_bias": {str(z): 100},
+        },
+    )
+    assert status == 200, chat
+    assert chat["choices"][0]["message"]["content"] == "Z" * 6
+
+
+def test_without_a_bias_the_model_answers_otherwise(server: LiveServer) -> None:
+    # The forced reply above is the bias's doing, not this random model's habit.
+    assert _complete(server)["text"] != "Z" * 12
+
+
+def test_a_token_id_past_the_vocabulary_is_a_400(server: LiveServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "logit_bias": {str(VOCAB): 5}}
+    status, answer = server.request("POST", "/v1/completions", body)
+    assert status == 400 and answer["error"]["param"] == "logit_bias", answer
