@@ -21,6 +21,7 @@ from server_support import byte_tokenizer_checkpoint, free_port
 from sovereign_runtime.disagg.transport import TcpKVSender
 from sovereign_runtime.router.app import Router, RouterConfig
 from sovereign_runtime.router.app import create_app as create_router_app
+from tokenizers import pre_tokenizers
 
 torch.set_num_threads(1)
 
@@ -357,6 +358,10 @@ def test_client_hanging_up_during_the_transfer_frees_the_reserved_blocks(checkpo
         fake.close()
 
 
+# The byte-level test tokenizer's id for "Z" (its vocabulary is the sorted byte alphabet).
+_BYTE_Z = sorted(pre_tokenizers.ByteLevel.alphabet()).index("Z")
+
+
 def _transfer_counts(cluster: dict[str, Any]) -> tuple[int, int, int]:
     decodes = [d.kv_health() for d in cluster["decodes"]]
     return (
@@ -373,8 +378,11 @@ def _transfer_counts(cluster: dict[str, Any]) -> tuple[int, int, int]:
         {"seed": 1234, "temperature": 1.0, "max_tokens": 12},
         {"stop": "STOP", "max_tokens": 12},  # "STOP" is replaced by a piece of the unified answer
         {"logprobs": 3, "max_tokens": 5},
+        # The prefill samples the first token: it must apply the bias too (and report biased logprobs).
+        {"logit_bias": {str(_BYTE_Z): 100}, "logprobs": 2, "max_tokens": 5},
+        {"logit_bias": {str(_BYTE_Z): 100}, "seed": 5, "temperature": 1.0, "max_tokens": 5},
     ],
-    ids=["min_tokens", "seed", "stop", "logprobs"],
+    ids=["min_tokens", "seed", "stop", "logprobs", "logit_bias", "logit_bias-seed"],
 )
 def test_sampling_parameters_give_the_unified_output_through_a_pair(
     cluster: dict[str, Any], sampling: dict[str, Any]
@@ -393,6 +401,8 @@ def test_sampling_parameters_give_the_unified_output_through_a_pair(
     ok_before = cluster["prefill"].kv_health()["transfers_ok"]
     got = completion(router.url, prompt, temperature=temperature, ignore_eos=True, **body)["choices"][0]
     assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"]
+    if "logit_bias" in body:
+        assert got["text"] == "Z" * body["max_tokens"]
     if "logprobs" in body:
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
         assert got["logprobs"]["token_logprobs"] == pytest.approx(
