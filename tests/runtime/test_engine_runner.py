@@ -139,3 +139,24 @@ def test_logprobs_in_outputs_match_the_reference() -> None:
         assert abs(lp.logprob - ref.max().item()) < 1e-4
         assert [t for t, _ in lp.top] == ref.topk(2).indices.tolist()
         tokens += o.new_token_ids
+
+
+def test_logit_bias_per_sequence_in_one_batch_and_vocab_bound() -> None:
+    model = ToyPagedModel()
+    eng = _engine(model)
+    a, b, c = _prompts(3, seed=11)
+    ref_b = model.reference_greedy(b, 6, eos=None)
+    ref_c = model.reference_greedy(c, 6, eos=None)
+    greedy6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={"5": 100})
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={t: -100 for t in ref_b})
+    rids = [eng.add_request(a, forced), eng.add_request(b, banned), eng.add_request(c, greedy6)]
+    got: dict[str, list[int]] = {rid: [] for rid in rids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert got[rids[0]] == [5] * 6 != model.reference_greedy(a, 6, eos=None)
+    assert len(got[rids[1]]) == 6 and not set(got[rids[1]]) & set(ref_b)
+    assert got[rids[2]] == ref_c  # the unbiased neighbour is untouched
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, "):
+        eng.make_sequence(a, SamplingParams(logit_bias={eng.vocab_size: 1}))
