@@ -12,6 +12,7 @@ from server_support import LiveServer, byte_tokenizer_checkpoint
 from sovereign_runtime.assembly import EngineOptions, make_loader
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
+from tokenizers import pre_tokenizers
 
 MODEL = "tiny-openai"
 KEY = "sk-sovereign-test"
@@ -124,3 +125,17 @@ def test_errors(client: openai.OpenAI, server: LiveServer) -> None:
     wrong.close()
     # Still serving.
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).choices
+
+
+def test_logit_bias_as_the_client_sends_it(client: openai.OpenAI) -> None:
+    # The client's own form: {token id string: int}. The byte tokenizer's "Z" is one token.
+    z = sorted(pre_tokenizers.ByteLevel.alphabet()).index("Z")
+    resp = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=4, logit_bias={str(z): 100}, extra_body={"ignore_eos": True}
+    )
+    assert resp.choices[0].text == "ZZZZ"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], logit_bias={str(z): 101}
+        )
+    assert bad.value.status_code == 400 and bad.value.param == "logit_bias"
