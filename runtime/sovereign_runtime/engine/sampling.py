@@ -20,6 +20,7 @@ SEED_LIMIT = 2**63
 # OpenAI's own bounds for logit_bias: at most 300 tokens, each biased by a number in [-100, 100].
 MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_ID_DIGITS = 18  # far past any vocabulary; keeps int() of a hostile key cheap
 
 
 @dataclass
@@ -134,10 +135,13 @@ def _token_id(key: object) -> int:
     # JSON object keys are strings: OpenAI sends {"15": -100}; a Python caller may pass ints.
     if isinstance(key, int) and not isinstance(key, bool):
         token = key
-    elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+    elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS:
         token = int(key)
     else:
-        _bad("logit_bias", f"keys must be non-negative integer token ids, got {key!r}")
+        _bad(
+            "logit_bias",
+            f"keys must be non-negative integer token ids of at most {MAX_TOKEN_ID_DIGITS} digits, got {key!r}",
+        )
     if token < 0:
         _bad("logit_bias", f"keys must be non-negative integer token ids, got {key!r}")
     return token
