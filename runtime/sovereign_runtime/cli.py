@@ -177,8 +177,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="test-only fault, e.g. nan_layer=1,nan_p=0.2 or batch_min_seqs=3 (needs --enable-fault-injection)",
     )
-    p.add_argument("--speculative-algorithm", choices=("mtp",), help="speculative decoding (not yet used)")
-    p.add_argument("--speculative-num-draft-tokens", type=_positive_int, metavar="N")
+    # Parsed only to refuse them by name: serving without a speculation the user asked for would hide
+    # that the speed they planned for is absent.
+    p.add_argument("--speculative-algorithm", help=argparse.SUPPRESS)
+    p.add_argument("--speculative-num-draft-tokens", help=argparse.SUPPRESS)
     p.add_argument(
         "--kv-transport",
         choices=("tcp", "rdma"),
@@ -274,7 +276,21 @@ def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:
         raise UsageError(f"serve: {problem}")
 
 
+def check_speculative(args: argparse.Namespace) -> None:
+    """Refuse speculative-decoding flags: this runtime decodes one token per step (see docs/runtime.md)."""
+    for flag, value in (
+        ("--speculative-algorithm", args.speculative_algorithm),
+        ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+    ):
+        if value is not None:
+            raise UsageError(
+                f"serve: {flag}: speculative decoding is unavailable in this runtime version (it decodes one"
+                " token per step); remove the flag"
+            )
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    check_speculative(args)
     model_path = resolve_model(args.model)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_rank is not None:
@@ -282,12 +298,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(args, model_path)
     api_key = read_api_key(args.api_key_file)
-    if args.speculative_algorithm:
-        # Speculation never changes what is generated, only how fast: serving without it is correct.
-        logging.getLogger("sovereign_runtime").warning(
-            "--speculative-algorithm %s is not implemented yet; decoding one token per step",
-            args.speculative_algorithm,
-        )
     name = args.served_model_name or (
         args.model if args.model.startswith(BUILTIN_PREFIX) else model_path.name
     )

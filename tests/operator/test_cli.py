@@ -41,7 +41,7 @@ def test_flagship_example_is_disaggregated_on_h200_with_rdma(capsys: pytest.Capt
     assert set(statefulsets) == {"deepseek-v3-prefill", "deepseek-v3-decode"}
     container = statefulsets["deepseek-v3-decode"]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert "--speculative-algorithm" in container["args"]
+    assert container["args"][container["args"].index("--max-model-len") + 1] == "65536"
     assert container["args"][container["args"].index("--kv-transport") + 1] == "rdma"
 
 

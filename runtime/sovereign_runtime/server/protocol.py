@@ -182,8 +182,8 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         if kind != "text":
             raise _bad(
                 "response_format",
-                f"'response_format' {kind or response_format!r} is not supported (constrained decoding is"
-                " not implemented); only {'type': 'text'}",
+                f"'response_format' {kind or response_format!r} is not supported (this runtime has no"
+                " constrained decoding); only {'type': 'text'}",
                 "unsupported_value",
             )
     logit_bias = body.get("logit_bias")
