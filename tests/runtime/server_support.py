@@ -138,6 +138,18 @@ class LiveServer:
     def run(self, coro: Any, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Poll /health/startup until 200, failing at once if loading failed."""
+        import time
+
+        from sovereign_runtime.server.app import STATE
+
+        deadline = time.monotonic() + timeout_s
+        while self.request("GET", "/health/startup")[0] != 200:
+            assert self.app[STATE].phase != "failed", self.app[STATE].error
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.05)
+
     def close(self) -> None:
         try:
             self.run(self.server.close())

@@ -35,11 +35,7 @@ def server(checkpoint: Path) -> Iterator[LiveServer]:
     )
     srv = LiveServer(create_app(ServerConfig(served_model_name=MODEL), loader=make_loader(options)))
     try:
-        deadline = time.monotonic() + 120
-        while srv.request("GET", "/health/startup")[0] != 200:
-            assert srv.app[STATE].phase != "failed", srv.app[STATE].error
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.05)
+        srv.wait_ready()
         yield srv
     finally:
         srv.close()

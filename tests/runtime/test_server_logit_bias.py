@@ -7,7 +7,6 @@ is banned, a reply's text names its tokens exactly and the tests can read what t
 from __future__ import annotations
 
 import string
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,7 @@ def server(
     )
     srv = LiveServer(create_app(ServerConfig(served_model_name=MODEL), loader=make_loader(options)))
     try:
-        deadline = time.monotonic() + 120
-        while srv.request("GET", "/health/startup")[0] != 200:
-            assert srv.app[STATE].phase != "failed", srv.app[STATE].error
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.05)
+        srv.wait_ready()
         yield srv
     finally:
         srv.close()
