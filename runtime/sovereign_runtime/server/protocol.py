@@ -18,10 +18,10 @@ from ..engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
-# OpenAI features this server does not have yet: refused by name, never accepted and ignored.
+# OpenAI features this server lacks: each is a 400 naming the field, never accepted and ignored.
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
+    "tools": "this server has no tool calling",
+    "tool_choice": "this server has no tool calling",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
 }
