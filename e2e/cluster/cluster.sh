@@ -51,6 +51,16 @@ print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
 
 exists() { [[ -f "$KWOK_WORKDIR/clusters/$name/kwok.yaml" ]]; }
 
+# Fake pods get IPs on the loopback network, where nothing listens on the runtime's port 8000 (the
+# tests' and the demo's runtimes bind 127.0.0.1 on free ports): the operator's health reads are
+# refused at once, the same way every round. On kwok's default 10.0.0.0/24 they reached whatever the
+# machine routes there (a sandbox's egress proxy answered 404, or timed out under load), and the
+# health conditions changed with it.
+POD_CIDR=127.0.80.0/24
+# What `create` was given that an existing cluster must match; a mismatch recreates it.
+create_stamp="pod-cidr=$POD_CIDR"
+stamp_file() { echo "$KWOK_WORKDIR/clusters/$name/sovereign-create-stamp"; }
+
 healthy() {
   [[ -f "$kubeconfig" ]] && kubectl get --raw /readyz >/dev/null 2>&1
 }
@@ -76,6 +86,10 @@ up() {
   mkdir -p "$state"
   local start
   start=$(date +%s)
+  if exists && [[ "$(cat "$(stamp_file)" 2>/dev/null)" != "$create_stamp" ]]; then
+    echo "cluster.sh: cluster '$name' was created with other settings; recreating it"
+    kwokctl delete cluster >/dev/null 2>&1
+  fi
   if exists; then
     cp "$(cluster_kubeconfig)" "$kubeconfig"
     if ! healthy; then
@@ -89,6 +103,8 @@ up() {
     local p
     read -r -a p <<<"$(free_ports 6)"
     # --kube-authorization turns on RBAC so the operator's least-privilege role is really enforced.
+    # Every component's first --extra-args must come before any second one: kwokctl v0.8.0 indexes
+    # a repeated component's patch by its argument's position (an index out of range otherwise).
     kwokctl create cluster \
       --kube-authorization=true \
       --config "$here/kwok/stages.yaml" \
@@ -102,10 +118,12 @@ up() {
       --extra-args "kwok-controller=server-address=127.0.0.1:${p[2]}" \
       --extra-args "etcd=listen-client-urls=http://127.0.0.1:${p[1]}" \
       --extra-args "etcd=listen-peer-urls=http://127.0.0.1:${p[5]}" \
+      --extra-args "kwok-controller=cidr=$POD_CIDR" \
       --wait 60s >"$state/create-$name.log" 2>&1 || {
       cat "$state/create-$name.log" >&2
       exit 1
     }
+    echo "$create_stamp" >"$(stamp_file)"
     cp "$(cluster_kubeconfig)" "$kubeconfig"
   fi
   wait_ready

@@ -26,6 +26,7 @@ from sovereign_operator.kvhealth import (
     kv_condition,
     kv_condition_fields,
 )
+from sovereign_operator.podhttp import get_pod_json
 from sovereign_operator.vocabulary import (
     KV_TRANSFER_HEALTHY,
     READY,
@@ -58,21 +59,10 @@ async def read_kv_health(
     session: aiohttp.ClientSession, pod: str, component: str, url: str, timeout_s: float
 ) -> KVReport:
     """One pod's answer; a 503 still carries the body that says why, so it is a report, not an error."""
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-            if response.status == 404:
-                return KVReport(pod, component, error="HTTP 404: the runtime does not serve /health/kv")
-            try:
-                body = await response.json(content_type=None)
-            except ValueError:
-                return KVReport(pod, component, error=f"HTTP {response.status} without a JSON body")
-            if not isinstance(body, dict):
-                return KVReport(pod, component, error=f"HTTP {response.status} with an unexpected body")
-            return KVReport(pod, component, body=body)
-    except TimeoutError:
-        return KVReport(pod, component, error=f"no answer within {timeout_s:g} s")
-    except aiohttp.ClientError as error:
-        return KVReport(pod, component, error=f"{type(error).__name__}: {error}"[:300])
+    body, error = await get_pod_json(
+        session, url, timeout_s, not_found="HTTP 404: the runtime does not serve /health/kv"
+    )
+    return KVReport(pod, component, body=body, error=error)
 
 
 def _undetermined(status: Mapping[str, Any]) -> bool:

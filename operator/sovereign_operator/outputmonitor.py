@@ -25,6 +25,7 @@ from sovereign_operator.outputhealth import (
     failing_pods,
     output_condition_fields,
 )
+from sovereign_operator.podhttp import get_pod_json
 from sovereign_operator.vocabulary import (
     OUTPUT_HEALTHY,
     condition,
@@ -68,23 +69,8 @@ async def read_startup(
     session: aiohttp.ClientSession, pod: str, component: str, uid: str, url: str, timeout_s: float
 ) -> OutputReport:
     """One pod's `/health/startup` body; a 503 carries the phase and the self-test too."""
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-            try:
-                body = await response.json(content_type=None)
-            except ValueError:
-                return OutputReport(
-                    pod, component, error=f"HTTP {response.status} without a JSON body", uid=uid
-                )
-            if not isinstance(body, dict):
-                return OutputReport(
-                    pod, component, error=f"HTTP {response.status} with an unexpected body", uid=uid
-                )
-            return OutputReport(pod, component, body=body, uid=uid)
-    except TimeoutError:
-        return OutputReport(pod, component, error=f"no answer within {timeout_s:g} s", uid=uid)
-    except aiohttp.ClientError as error:
-        return OutputReport(pod, component, error=f"{type(error).__name__}: {error}"[:300], uid=uid)
+    body, error = await get_pod_json(session, url, timeout_s)
+    return OutputReport(pod, component, body=body, error=error, uid=uid)
 
 
 def _output_condition(status: Mapping[str, Any]) -> Mapping[str, Any] | None:

@@ -9,6 +9,7 @@ seconds, so every transition below is the one a real cluster would show.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from typing import Any
 
@@ -225,12 +226,17 @@ def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorHandle, n
     # Let the last status write and the pods' Ready transitions settle.
     time.sleep(5)
     before = resource_versions(kube, namespace, "ds")
+    llmd_before = get_llmd(kube, namespace, "ds")
     since = time.time()
     time.sleep(30)
     operator.assert_alive()
     after = resource_versions(kube, namespace, "ds")
     changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
-    assert not changed, f"objects changed in a steady state: {changed}"
+    assert not changed, (
+        f"objects changed in a steady state: {changed}\n"
+        f"LLMDeployment before: {json.dumps(llmd_before)}\n"
+        f"LLMDeployment after: {json.dumps(get_llmd(kube, namespace, 'ds'))}\n{operator.tail()}"
+    )
     audit = audit_log_path(kube)
     if audit is not None:
         writes = [
