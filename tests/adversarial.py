@@ -386,6 +386,64 @@ async def attack_big_body(
     return tally
 
 
+async def attack_slowloris(targets: dict[str, str], innocents: Innocents, connections: int = 100) -> Tally:
+    """Connections that send their headers, or their body, a byte every 2 s (the finding: never timed
+    out). Each must be answered 408 (or closed) within the server's deadline plus a margin."""
+    tally = Tally(f"slowloris: {connections} trickling connections per target (headers and bodies)")
+    give_up_s = 15.0 + 60.0 + 15.0  # the longest default deadline (body) after the headers, plus margin
+    closed_without_answer = 0
+
+    async def trickle(url: str, head: bytes) -> None:
+        nonlocal closed_without_answer
+        host, port = url.removeprefix("http://").split(":")
+        tally.inputs += 1
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+        except (OSError, TimeoutError):
+            tally.server_errors += 1
+            tally.notes.append(f"{url}: could not connect")
+            return
+        writer.write(head)
+        deadline = time.monotonic() + give_up_s
+        answer = b""
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    answer = await asyncio.wait_for(reader.read(65536), 2.0)
+                    break  # an answer, or b"" when closed
+                except TimeoutError:
+                    writer.write(b"a")  # one more byte of a header value, or of the body
+            else:
+                tally.hangs += 1
+                tally.notes.append(f"{url}: still open after {give_up_s:.0f} s")
+                return
+        except (ConnectionError, OSError):
+            answer = b""
+        finally:
+            writer.close()
+        if answer.startswith(b"HTTP/1.1 408"):
+            tally.client_errors += 1
+        elif answer == b"":
+            tally.client_errors += 1
+            closed_without_answer += 1
+        else:
+            tally.server_errors += 1
+            tally.notes.append(f"{url}: {answer[:40]!r}")
+
+    heads = [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000\r\n\r\n{",
+    ]
+    async with innocents.running(tally):
+        await asyncio.gather(
+            *(trickle(url, heads[i % 2]) for url in targets.values() for i in range(connections))
+        )
+    if closed_without_answer:
+        tally.notes.append(f"{closed_without_answer} closed without an answer")
+    return tally
+
+
 def attack_render() -> Tally:
     """`sovereign-operator render` on hostile YAML: one line, a non-zero exit, within the deadline."""
     tally = Tally("render: hostile YAML and invalid values")
@@ -492,6 +550,7 @@ async def run(budget_s: float, log_dir: Path) -> list[Tally]:
                 lambda: attack_top_k(session, router, innocents),
                 lambda: attack_disconnects(session, router, innocents, seconds=10),
                 lambda: attack_big_body(session, workers[1], router, innocents),
+                lambda: attack_slowloris({"router": router, "worker": workers[0]}, innocents),
             ]
             for attack in attacks:
                 if time.monotonic() - started > budget_s:

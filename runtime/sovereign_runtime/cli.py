@@ -24,6 +24,7 @@ from .disagg.service import ROLES, DisaggConfig, DisaggService
 from .engine.repetition import check_window
 from .engine.tensor_parallel import spawn_workers
 from .model.faults import FaultSpec
+from .read_deadlines import add_read_deadline_flags, read_deadlines
 from .router import cli as router_cli
 from .server import ServerConfig, create_app, serve
 
@@ -147,6 +148,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="admitted requests not yet running; past this new ones get 429 with Retry-After",
     )
+    add_read_deadline_flags(p)
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     guard = p.add_argument_group("output guard (docs/troubleshooting.md)")
@@ -322,6 +324,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         self_test_interval_s=args.self_test_interval,
         repetition_window=args.repetition_window,
+        read_deadlines=read_deadlines(args),
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:

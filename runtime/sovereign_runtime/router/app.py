@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..read_deadlines import TIMEOUT_KINDS, DeadlineGuard, ReadDeadlines
 from .health import FailureKind, LoopLagMonitor, timer_lateness
 from .policy import (
     CacheAwarePolicy,
@@ -55,6 +56,7 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
 # Errors writing to the client: it hung up. Never the worker's fault.
 _CLIENT_GONE = (ConnectionError, RuntimeError)
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+DEADLINE_GUARD = web.AppKey("deadline_guard", DeadlineGuard)
 
 
 @dataclass
@@ -81,6 +83,8 @@ class RouterConfig:
     # with no cached prefix are prefilled on the decode worker: a transfer would cost more than it saves.
     disaggregation_threshold_chars: int = 512
     static_members: dict[Role, list[str]] = field(default_factory=dict)
+    # How long a client may take to send a request's headers and body, and to stay idle between requests.
+    read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
 
 
 class RouterMetrics:
@@ -135,6 +139,14 @@ class RouterMetrics:
             ["field"],
             registry=self.registry,
         )
+        self.read_timeouts = Counter(
+            "sovereign_router_request_read_timeouts",
+            "Requests or connections closed because the client sent headers or body too slowly",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in TIMEOUT_KINDS:
+            self.read_timeouts.labels(kind)
 
     def refresh_workers(self, pool: WorkerPool) -> None:
         self.workers.clear()
@@ -447,8 +459,15 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:  #
 
 
 def create_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=router.config.max_body_bytes)
+    guard = DeadlineGuard(
+        router.config.read_deadlines, on_timeout=lambda kind: router.metrics.read_timeouts.labels(kind).inc()
+    )
+    # Outside the deadline middleware, errors (a body over the size limit) become OpenAI errors.
+    app = web.Application(
+        middlewares=[openai_errors, guard.middleware()], client_max_size=router.config.max_body_bytes
+    )
     app[MAX_BODY_BYTES] = router.config.max_body_bytes
+    app[DEADLINE_GUARD] = guard
     app.router.add_get("/health", router.health)
     app.router.add_get("/health/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)

@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 from pathlib import Path
 
 from aiohttp import web
 
-from .app import Router, RouterConfig, create_app
+from ..read_deadlines import DeadlineSite, add_read_deadline_flags, read_deadlines
+from .app import DEADLINE_GUARD, Router, RouterConfig, create_app
 from .discovery import EndpointSliceWatch
 from .policy import POLICIES
 
@@ -54,6 +56,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="larger request bodies get 413",
     )
+    add_read_deadline_flags(parser)
     parser.add_argument(
         "--disaggregation-threshold",
         type=int,
@@ -115,6 +118,7 @@ def run_router(args: argparse.Namespace) -> None:
         ),
         disaggregation_threshold_chars=args.disaggregation_threshold,
         static_members={"worker": args.worker, "prefill": args.prefill, "decode": args.decode},
+        read_deadlines=read_deadlines(args),
     )
     router = Router(config)
     app = create_app(router)
@@ -134,7 +138,26 @@ def run_router(args: argparse.Namespace) -> None:
         router.add_background(_prompt_checks(router))
 
     app.on_startup.append(start_discovery)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    asyncio.run(serve_router(app, args.host, args.port))
+
+
+async def serve_router(app: web.Application, host: str, port: int) -> None:
+    """Serve until SIGTERM/SIGINT, then finish in-flight requests (up to 60 s) and stop. Not
+    `web.run_app`: its site cannot watch connections for slow clients (read_deadlines.py)."""
+    guard = app[DEADLINE_GUARD]
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=60.0, **guard.deadlines.runner_kwargs())
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = DeadlineSite(runner, host, port, guard)
+        await site.start()
+        logging.getLogger("sovereign_runtime.router").info("router listening on %s", site.name)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 async def _prompt_checks(router: Router) -> None:

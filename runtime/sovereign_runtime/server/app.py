@@ -10,12 +10,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from ..engine.sampling import SamplingParams
+from ..read_deadlines import DeadlineGuard, ReadDeadlines
 from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
 from .edge import PARSE_INLINE_BYTES, check_prompt_size, parse_body, text_bytes
 from .generation import Step, collect, run_request
@@ -46,6 +47,7 @@ STATE = web.AppKey("state", ServerState)
 CONFIG = web.AppKey("config", "ServerConfig")
 METRICS = web.AppKey("metrics", ServerMetrics)
 LOADER = web.AppKey("loader", object)
+DEADLINE_GUARD = web.AppKey("deadline_guard", DeadlineGuard)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
 
@@ -65,6 +67,8 @@ class ServerConfig:
     self_test_interval_s: float = 300.0
     # Default repetition window for requests that do not set repetition_window (0: off).
     repetition_window: int = 0
+    # How long a client may take to send a request's headers and body, and to stay idle between requests.
+    read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -148,13 +152,18 @@ def create_app(
     """Build the app. Give either a ``loader`` (run later by ``start_loading``) or a ready ``runtime``."""
     if (loader is None) == (runtime is None):
         raise ValueError("give exactly one of loader or runtime")
-    middlewares = [_errors]
+    # Outside the deadline middleware, errors (a body over the size limit) become OpenAI errors.
+    guard = DeadlineGuard(
+        config.read_deadlines, on_timeout=lambda kind: app[METRICS].read_timeouts.labels(kind).inc()
+    )
+    middlewares = [_errors, guard.middleware()]
     if config.api_key:
         middlewares.append(_auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = ServerState()
     app[STATE] = state
     app[CONFIG] = config
+    app[DEADLINE_GUARD] = guard
     app[METRICS] = ServerMetrics(
         config.served_model_name,
         stats=lambda: state.runtime.engine.stats() if state.runtime else None,

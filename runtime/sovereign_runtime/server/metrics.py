@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..engine.api import EngineStats
+from ..read_deadlines import TIMEOUT_KINDS
 
 STARTUP_PHASES = ("loading_weights", "compiling", "warming_up", "self_test", "ready", "failed")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -217,6 +218,15 @@ class ServerMetrics:
             registry=r,
         )
         self.rejected.labels(model_name, "queue_full")
+        # Connections closed because a client sent its headers or body too slowly (slowloris).
+        self.read_timeouts = Counter(
+            "sovereign:request_read_timeouts",
+            "Requests or connections closed because the client sent headers or body too slowly.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in TIMEOUT_KINDS:
+            self.read_timeouts.labels(kind)
         r.register(_EngineCollector(model_name, stats, phase, self_test))
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from .app import CONFIG, STATE, start_loading
+from ..read_deadlines import DeadlineSite
+from .app import CONFIG, DEADLINE_GUARD, STATE, start_loading
 
 log = logging.getLogger("sovereign_runtime.server")
 
@@ -32,9 +33,16 @@ class RunningServer:
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Listen on host:port (0 picks a free port), then start loading the model."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    guard = app[DEADLINE_GUARD]
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=2.0,
+        **guard.deadlines.runner_kwargs(),
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = DeadlineSite(runner, host, port, guard)
     await site.start()
     bound = int(runner.addresses[0][1]) if runner.addresses else port
     start_loading(app)
