@@ -17,6 +17,7 @@ import torch
 from .builtin import resolve_builtin
 from .engine.async_engine import AsyncEngine
 from .engine.engine import EngineConfig, LLMEngine
+from .engine.grammar import Grammars
 from .engine.selftest import prepare_output_guard
 from .engine.tensor_parallel import (
     TensorParallelLeader,
@@ -91,7 +92,10 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
         device=device,
         dtype=dtype,
     )
-    engine = AsyncEngine(LLMEngine.from_model(model, config))
+    core = LLMEngine.from_model(model, config)
+    stop_ids = sorted(core.scheduler.eos_token_ids) or [t for t in (tokenizer.eos_token_id,) if t is not None]
+    core.runner.grammars = Grammars(tokenizer, core.vocab_size, stop_ids)
+    engine = AsyncEngine(core)
     # builtin:sovereign-tiny knows its exact answers; any model gets batch invariance, numerics, weights.
     tiny = options.model_path.resolve() == resolve_builtin("sovereign-tiny").resolve()
     self_test, saturated = prepare_output_guard(

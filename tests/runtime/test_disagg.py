@@ -413,3 +413,29 @@ def test_sampling_parameters_give_the_unified_output_through_a_pair(
         ]
     assert _transfer_counts(cluster) == before  # no refusal by the prefill, no local prefill on the decode
     assert cluster["prefill"].kv_health()["transfers_ok"] == ok_before + 1
+
+
+def test_a_json_schema_constrains_the_prefill_first_token_and_the_decode_after_it(
+    cluster: dict[str, Any],
+) -> None:
+    """The prefill samples the first token under the schema's mask, the decode's matcher accepts it
+    and continues: through a pair the output is the unified one, and it parses and validates."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}}
+    unified, router = cluster["unified"], cluster["router"]
+    prompt = "answer in JSON through a pair, " + "please " * 4
+    for seed in (1, 2):
+        body = {"temperature": 1.0, "seed": seed, "max_tokens": 120, **fmt}
+        want = completion(unified.url, prompt, **body)["choices"][0]
+        before = _transfer_counts(cluster)
+        ok_before = cluster["prefill"].kv_health()["transfers_ok"]
+        got = completion(router.url, prompt, **body)["choices"][0]
+        assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"] == "stop"
+        assert json.loads(got["text"])["ok"] in (True, False)
+        assert _transfer_counts(cluster) == before
+        assert cluster["prefill"].kv_health()["transfers_ok"] == ok_before + 1

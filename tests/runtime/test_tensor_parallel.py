@@ -276,6 +276,14 @@ def _wait_workers(proc: subprocess.Popen[str], count: int) -> list[int]:
     return workers
 
 
+_NUMBER_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
 def test_tp2_server_answers_as_tp1_does_and_sigterm_stops_its_worker() -> None:
     # The built-in model splits by 2: 4 heads, intermediate 384, experts 128 wide.
     questions = make_questions(4, seed=11)
@@ -288,6 +296,11 @@ def test_tp2_server_answers_as_tp1_does_and_sigterm_stops_its_worker() -> None:
             answer = _chat(sharded_url, q.prompt)
             assert answer == _chat(single_url, q.prompt), q.prompt
             assert check_answer(q, answer), (q.prompt, answer)
+        # The leader samples, so its grammar masks hold for the whole group.
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": _NUMBER_SCHEMA}}
+        constrained = _chat(sharded_url, questions[0].prompt, response_format=fmt, max_tokens=120)
+        assert constrained == _chat(single_url, questions[0].prompt, response_format=fmt, max_tokens=120)
+        assert isinstance(json.loads(constrained)["n"], int), constrained
         sharded.send_signal(signal.SIGTERM)
         out, _ = sharded.communicate(timeout=30)
         assert sharded.returncode == 0, out[-4000:]

@@ -49,6 +49,7 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
+        await self._compile_grammar(params)
         rid, seq, queue = self._open_stream(prompt_token_ids, params, request_id)
         self._send("add", seq)
         finished = False
@@ -70,6 +71,7 @@ class AsyncEngine:
         prompt, ``fetch`` fills the uncached rows and returns the first token, and the request joins the
         batch as a decode. If the pool has no room, or ``fetch`` fails, the request is prefilled locally;
         closing the iterator at any point aborts it and frees its blocks."""
+        await self._compile_grammar(params)
         rid, seq, queue = self._open_stream(prompt_token_ids, params, request_id)
         self._send("reserve", seq)
         finished = False
@@ -92,6 +94,13 @@ class AsyncEngine:
                 yield item
         finally:
             self._close_stream(rid, finished)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's schema off the event loop (a large one can take a while); the
+        matcher ``make_sequence`` builds then finds it in xgrammar's cache."""
+        grammars = self.engine.runner.grammars
+        if params.json_schema is not None and grammars is not None:
+            await asyncio.to_thread(grammars.compile, params.json_schema)
 
     def _open_stream(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None

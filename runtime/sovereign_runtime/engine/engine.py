@@ -19,6 +19,7 @@ import torch
 from ..model import load_model
 from .api import EngineStats, InvalidRequest, RequestFailed, RequestOutput, TokenLogprob
 from .block_manager import KVLayout, plan_num_blocks
+from .grammar import accept
 from .guard import SequenceFailure, StepGuard
 from .model_runner import ModelRunner, PagedModel
 from .repetition import RepetitionDetector
@@ -206,6 +207,11 @@ class LLMEngine:
         seq.generator = make_generator(params.seed, self.device)
         if params.repetition_window:
             seq.repetition = RepetitionDetector(params.repetition_window)
+        if params.json_schema is not None:
+            grammars = self.runner.grammars
+            if grammars is None:
+                raise InvalidRequest("json_schema", "needs an engine built with its tokenizer's grammars")
+            seq.grammar = grammars.matcher(params.json_schema)
         self.scheduler.check_request(seq)
         return seq
 
@@ -275,10 +281,26 @@ class LLMEngine:
         for i, seq in enumerate(sampled):
             if seq in failures:
                 continue
+            if seq.grammar is not None and not self.advance_grammar(seq, out.token_ids[i]):
+                outputs.append(self.refuse_grammar_token(seq, out.token_ids[i], now))
+                continue
             lp = out.logprobs[i]
             logprob = None if lp is None else TokenLogprob(out.token_ids[i], lp, out.top_logprobs[i] or [])
             outputs.append(self.token_output(seq, out.token_ids[i], logprob, now))
         return outputs
+
+    def advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Feed ``seq``'s new token to its grammar; False if the grammar refuses it."""
+        return accept(seq.grammar, token)
+
+    def refuse_grammar_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        # A sampled token outside the mask (a bug), or a first token from a prefill that did not
+        # constrain it: end the request rather than return output that breaks its schema.
+        return self._fail(
+            seq,
+            SequenceFailure("grammar", f"token {token} does not continue the response_format's schema"),
+            now,
+        )
 
     def _fail(self, seq: Sequence, failure: SequenceFailure, now: float) -> RequestOutput:
         """End ``seq`` with an error: blocks freed, nothing cached from it, no token."""

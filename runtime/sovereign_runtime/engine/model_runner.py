@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..model.context import AttentionMetadata, attention_context
+from .grammar import Grammars
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch
 
@@ -51,6 +52,9 @@ class ModelRunner:
         )
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler()
+        # The vocabulary's compiled grammars, for requests with a json_schema (set by the assembly,
+        # which has the tokenizer; None: such requests are refused).
+        self.grammars: Grammars | None = None
         # Test-only fault injection (sovereign_runtime.model.faults), told each forward's sequences.
         self.faults: FaultInjector | None = None
 
@@ -143,4 +147,6 @@ class ModelRunner:
             rows = torch.tensor(logit_rows, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
-        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        matchers = [s.grammar for s in sampled]
+        grammars = (self.grammars, matchers) if self.grammars is not None and any(matchers) else None
+        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled], grammars)

@@ -75,6 +75,9 @@ class RemotePrefill:
             return None
         # The prefill drew the first token from its own generator, seeded alike: draw past it here.
         engine.runner.sampler.skip_token(seq.params, seq.generator, engine.vocab_size)
+        # The prefill constrained the first token with the same schema: the grammar continues after it.
+        if seq.grammar is not None and not engine.advance_grammar(seq, first.token_id):
+            return engine.refuse_grammar_token(seq, first.token_id, now)
         return engine.token_output(seq, first.token_id, first.logprob, now)
 
     def prefill_locally(self, request_id: str) -> None:

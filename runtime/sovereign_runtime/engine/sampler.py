@@ -16,10 +16,14 @@ checked for finiteness on the device and a non-finite row comes back as token ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import Grammars
 
 # Token id reported for a row whose logits were not finite (never a real token: embedding lookups reject it).
 NONFINITE = -1
@@ -49,20 +53,22 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        grammars: tuple[Grammars, list[Any | None]] | None = None,
     ) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (float32 ``[rows, vocab]``)."""
+        """Sample one token per row of ``logits`` (float32 ``[rows, vocab]``). ``grammars``: the
+        engine's compiled grammars and each row's matcher (None: unconstrained), for ``json_schema``."""
         rows = logits.shape[0]
         assert len(params) == rows == len(generators)
+        # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; finite logits of
+        # any sane model are far from fp32 overflow): one reduction, no [rows, vocab] mask. Taken on
+        # the model's own logits, before a grammar sets the forbidden ones to -inf.
+        finite = torch.isfinite(logits.sum(dim=-1)) if self.check_finite else None
+        if grammars is not None:
+            grammars[0].apply_masks(logits, grammars[1])
         logits = apply_logit_bias(logits, params)
         greedy = [p.temperature == 0.0 for p in params]
         chosen = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, params, generators, greedy)
-        if self.check_finite:
-            # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; finite logits of
-            # any sane model are far from fp32 overflow): one reduction, no [rows, vocab] mask.
-            finite = torch.isfinite(logits.sum(dim=-1))
-            token_ids = torch.where(finite, chosen, NONFINITE).tolist()
-        else:
-            token_ids = chosen.tolist()
+        token_ids = (torch.where(finite, chosen, NONFINITE) if finite is not None else chosen).tolist()
 
         want = [p.logprobs for p in params]
         logprobs: list[float | None] = [None] * rows

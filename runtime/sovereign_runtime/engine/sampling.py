@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from .api import InvalidRequest
+from .grammar import check_schema
 from .repetition import check_window
 
 # Generous but finite: a client asking for more is almost certainly a bug.
@@ -50,6 +51,9 @@ class SamplingParams:
     # 0: off (engine/repetition.py).
     repetition_window: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # A JSON Schema (JSON text) the output must match, enforced token by token (engine/grammar.py);
+    # the server sets it from ``response_format``. None: unconstrained.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +93,11 @@ class SamplingParams:
                 _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check_window(self.repetition_window)
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.json_schema is not None:
+            self.json_schema = check_schema(self.json_schema)
+            if self.ignore_eos:
+                # A complete value allows only the stop tokens: ignoring them would have nothing left.
+                _bad("json_schema", "cannot be combined with ignore_eos")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a ``logit_bias`` token id outside the model's vocabulary ``[0, vocab_size)``."""

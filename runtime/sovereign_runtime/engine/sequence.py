@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class Sequence:
     first_token_time: float | None = None
     # Set when params.repetition_window > 0: follows the output to end a degenerate one.
     repetition: RepetitionDetector | None = None
+    # Set when params.json_schema is: the request's xgrammar matcher (engine/grammar.py).
+    grammar: Any | None = None
 
     @property
     def num_tokens(self) -> int:

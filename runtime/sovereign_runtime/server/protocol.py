@@ -9,11 +9,13 @@ engine-side field, mapped here to the OpenAI parameter the client sent. Every us
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.api import InvalidRequest
+from ..engine.grammar import JSON_OBJECT_SCHEMA
 from ..engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -68,6 +70,7 @@ class SamplingRequest:
     min_tokens: int = 0
     repetition_window: int | None = None  # None: the server's --repetition-window
     logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
+    json_schema: str | None = None  # from response_format; SamplingParams checks it, the engine compiles it
     # Engine field -> the OpenAI parameter the client sent for it, where the names differ.
     param_names: dict[str, str] = field(default_factory=dict)
 
@@ -178,14 +181,8 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
             raise _bad(name, f"'{name}': {why}; leave it out", "unsupported_value")
     response_format = body.get("response_format")
     if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise _bad(
-                "response_format",
-                f"'response_format' {kind or response_format!r} is not supported (this runtime has no"
-                " constrained decoding); only {'type': 'text'}",
-                "unsupported_value",
-            )
+        s.json_schema = _response_format_schema(response_format)
+        s.param_names["json_schema"] = "response_format"
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
         if not isinstance(logit_bias, dict):
@@ -199,6 +196,45 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         if _get_number(body, name, 0.0) != 0.0:
             raise _bad(name, f"'{name}' is not supported; send 0 or leave it out", "unsupported_value")
     return s
+
+
+def _response_format_schema(response_format: Any) -> str | None:
+    """The JSON Schema (JSON text) ``response_format`` asks the output to match; None for text."""
+    if not isinstance(response_format, dict):
+        raise _bad(
+            "response_format",
+            f"'response_format' must be an object, got {_type_name(response_format)}",
+            "invalid_type",
+        )
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad(
+                "response_format",
+                "'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}",
+            )
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad("response_format", "'response_format.json_schema.name' must be a non-empty string")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _bad(
+                "response_format",
+                f"'response_format.json_schema.schema' must be an object, got {_type_name(schema)}",
+                "invalid_type",
+            )
+        # strict or not, the schema is enforced: constrained decoding never emits what it forbids.
+        return json.dumps(schema)
+    raise _bad(
+        "response_format",
+        f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "unsupported_value",
+    )
 
 
 def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -375,6 +411,7 @@ def sampling_params(
                 repetition_window if sampling.repetition_window is None else sampling.repetition_window
             ),
             logit_bias=sampling.logit_bias,
+            json_schema=sampling.json_schema,
         )
         params.check_vocab(vocab_size)
         return params
