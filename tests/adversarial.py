@@ -181,7 +181,10 @@ class Innocents:
                 content = answer["choices"][0]["message"]["content"] if resp.status == 200 else None
                 if resp.status != 200 or not self._check(question, content or ""):
                     self.failed += 1
-                    self.failures.append(f"{resp.status}: {str(answer)[:120]}")
+                    said = content if resp.status == 200 else answer
+                    self.failures.append(
+                        f"{resp.status}: asked {question.messages()[-1]['content']!r}, got {str(said)[:160]!r}"
+                    )
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
             self.failed += 1
             self.failures.append(f"{exc.__class__.__name__}: {exc}"[:160])

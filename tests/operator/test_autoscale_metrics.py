@@ -31,6 +31,7 @@ def runtime_text(
     kv: float = 0.0,
     backlog: float = 0.0,
     prompt_total: float = 0.0,
+    rejected: float = 0.0,
     ttft: dict[float, float] | None = None,
     itl: dict[float, float] | None = None,
     models: tuple[str, ...] = ("m",),
@@ -43,6 +44,7 @@ def runtime_text(
         ("vllm:kv_cache_usage_perc", "gauge"),
         ("sovereign:prompt_tokens_waiting", "gauge"),
         ("vllm:prompt_tokens", "counter"),
+        ("sovereign:requests_rejected", "counter"),
     ):
         lines.append(f"# TYPE {name} {kind}")
     values = {
@@ -51,6 +53,7 @@ def runtime_text(
         "vllm:kv_cache_usage_perc": kv,
         "sovereign:prompt_tokens_waiting": backlog,
         "vllm:prompt_tokens_total": prompt_total,
+        "sovereign:requests_rejected_total": rejected,
     }
     for model in models:
         for name, v in values.items():
@@ -133,6 +136,18 @@ def test_aggregate_sums_queues_and_averages_kv() -> None:
     assert (pool.pods_reporting, pool.pods_expected, pool.observed_at) == (2, 3, 15.0)
 
 
+def test_requests_refused_for_load_count_as_waiting() -> None:
+    # A full queue answers 429 and its gauge stays at the cap: the refusals are the demand it hides.
+    a0 = parse_pod_metrics(runtime_text(waiting=4, rejected=0), "a", 0.0)
+    b0 = parse_pod_metrics(runtime_text(waiting=4, rejected=10), "b", 0.0)
+    a = parse_pod_metrics(runtime_text(waiting=4, rejected=7), "a", 15.0)
+    b = parse_pod_metrics(runtime_text(waiting=4, rejected=4), "b", 15.0)  # b restarted meanwhile
+    pool = aggregate_pool({"a": a, "b": b}, {"a": a0, "b": b0}, pods_expected=2, now=16.0)
+    assert pool.requests_rejected == 11 and pool.requests_waiting == 8 + 11
+    first = aggregate_pool({"a": a0}, {}, pods_expected=1, now=1.0)  # no window yet: nothing counted
+    assert first.requests_rejected == 0 and first.requests_waiting == 4
+
+
 @asynccontextmanager
 async def serve(
     routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]],
@@ -194,6 +209,7 @@ def test_prometheus_source_runs_the_pool_queries() -> None:
         q["ttft"]: float("nan"),  # no requests in the window
         q["itl"]: 0.04,
         q["prompt_tokens_per_s"]: 900,
+        q["rejected"]: 5,
     }
     seen: list[str] = []
 
@@ -213,7 +229,8 @@ def test_prometheus_source_runs_the_pool_queries() -> None:
         async with serve({"/api/v1/query": api}) as base, aiohttp.ClientSession() as session:
             pool = await query_prometheus_pool(session, base, selector, pods_expected=2, window_s=60)
             missing = await query_prometheus_pool(session, base, 'pod="nope"', pods_expected=2, window_s=60)
-        assert (pool.pods_reporting, pool.requests_running, pool.requests_waiting) == (2, 12, 3)
+        assert (pool.pods_reporting, pool.requests_running, pool.requests_waiting) == (2, 12, 3 + 5)
+        assert pool.requests_rejected == 5 and "increase(sovereign:requests_rejected_total" in q["rejected"]
         assert pool.observed_at == 990.0 and pool.prompt_tokens_per_s == 900
         assert pool.kv_cache_usage_mean == 0.55 and pool.itl_seconds == 0.04 and pool.ttft_seconds is None
         assert any("histogram_quantile(0.9" in s and "[60s]" in s for s in seen)

@@ -24,6 +24,7 @@ torch.set_num_threads(1)
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"top_k": 1.5}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # overflowed int64 inside the engine step (the adversarial suite)
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -5}, "max_tokens"),
         ({"max_tokens": 10**9}, "max_tokens"),
@@ -85,6 +86,12 @@ def test_mixed_batch_greedy_rows_stay_greedy() -> None:
         out = Sampler()(logits, params, [None] * 4)
         assert out.token_ids[0] == logits[0].argmax().item()
         assert out.token_ids[2] == logits[2].argmax().item()
+
+
+def test_a_top_k_past_the_vocabulary_filters_nothing() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    seen = {Sampler()(logits, [SamplingParams(top_k=1000)], [None]).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1, 2}
 
 
 def test_top_k_one_equals_greedy_and_top_k_restricts_support() -> None:

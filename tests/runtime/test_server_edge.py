@@ -150,6 +150,12 @@ def test_bad_logit_bias_is_a_400_naming_it(
     assert error["code"] == code and fragment in error["message"], error
 
 
+def test_an_int64_overflowing_top_k_is_a_400(server: LiveServer) -> None:
+    for path, body in ((CHAT, _chat(top_k=2**63, top_p=0.5)), (COMP, _completion(top_k=2**63))):
+        status, answer = server.request("POST", path, body)
+        _assert_error(status, answer, 400, "top_k")
+
+
 def test_non_finite_logit_bias_is_a_400(server: LiveServer) -> None:
     # JSON has no NaN, but Python's json (the server's parser and some clients) reads and writes it.
     raw = (

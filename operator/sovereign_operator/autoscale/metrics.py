@@ -24,6 +24,8 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 PROMPT_BACKLOG = "sovereign:prompt_tokens_waiting"
 PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
+# Requests a worker refused for load (429, its waiting queue full): demand that waits elsewhere.
+REJECTED_TOTAL = "sovereign:requests_rejected_total"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 
@@ -96,6 +98,7 @@ class PodSample:
     kv_usage: float | None = None
     prompt_tokens_waiting: float = 0.0
     prompt_tokens_total: float | None = None
+    rejected_total: float | None = None
     ttft: Histogram | None = None
     itl: Histogram | None = None
 
@@ -152,6 +155,7 @@ def parse_pod_metrics(text: str, url: str, scraped_at: float) -> PodSample:
         kv_usage=first(KV_USAGE),
         prompt_tokens_waiting=total(PROMPT_BACKLOG) or 0.0,
         prompt_tokens_total=total(PROMPT_TOKENS_TOTAL),
+        rejected_total=total(REJECTED_TOTAL),
         ttft=_histogram(samples, TTFT),
         itl=first_hist(ITL),
     )
@@ -179,7 +183,8 @@ def aggregate_pool(
 
     Queues are summed, KV usage averaged (and maxed), latencies are the quantile (or the mean when
     `quantile` is None) of the observations between the two rounds; pods seen for the first time
-    contribute gauges but no latency window yet.
+    contribute gauges but no latency window yet. Requests the pods refused for load (429) between
+    the two rounds count as waiting: a full queue hides exactly the demand that should scale up.
     """
     pods = list(current.values())
     if not pods:
@@ -190,10 +195,15 @@ def aggregate_pool(
     ttft_deltas: list[Histogram] = []
     itl_deltas: list[Histogram] = []
     rate = 0.0
+    rejected = 0.0
     for p in pods:
         before = previous.get(p.url)
         if before is None:
             continue
+        if p.rejected_total is not None and before.rejected_total is not None:
+            # A counter that went down is a restarted pod: all of its count is new.
+            grew = p.rejected_total - before.rejected_total
+            rejected += grew if grew >= 0 else p.rejected_total
         if p.ttft is not None:
             ttft_deltas.append(p.ttft.minus(before.ttft))
         if p.itl is not None:
@@ -206,7 +216,8 @@ def aggregate_pool(
         pods_reporting=len(pods),
         pods_expected=pods_expected,
         requests_running=sum(p.running for p in pods),
-        requests_waiting=sum(p.waiting for p in pods),
+        requests_waiting=sum(p.waiting for p in pods) + rejected,
+        requests_rejected=rejected,
         prompt_tokens_waiting=sum(p.prompt_tokens_waiting for p in pods),
         kv_cache_usage_mean=sum(kv) / len(kv) if kv else 0.0,
         kv_cache_usage_max=max(kv) if kv else 0.0,
@@ -296,6 +307,7 @@ def prometheus_queries(selector: str, window_s: float, quantile: float | None) -
         "ttft": latency(TTFT),
         "itl": latency(ITL[0]),
         "prompt_tokens_per_s": f"sum(rate({PROMPT_TOKENS_TOTAL}{s}{w}))",
+        "rejected": f"sum(increase({REJECTED_TOTAL}{s}{w}))",
     }
 
 
@@ -366,7 +378,8 @@ async def query_prometheus_pool(
         pods_reporting=round(pods[1]),
         pods_expected=pods_expected,
         requests_running=val("running"),
-        requests_waiting=val("waiting"),
+        requests_waiting=val("waiting") + val("rejected"),
+        requests_rejected=val("rejected"),
         prompt_tokens_waiting=val("prompt_tokens_waiting"),
         kv_cache_usage_mean=val("kv_mean"),
         kv_cache_usage_max=val("kv_max"),

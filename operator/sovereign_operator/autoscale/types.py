@@ -37,7 +37,10 @@ class PoolMetrics:
     pods_reporting: int
     pods_expected: int
     requests_running: float = 0.0
+    # Includes ``requests_rejected``: a request refused for load waits too, only not on our pods.
     requests_waiting: float = 0.0
+    # Requests refused for load (429) over the window between two observations.
+    requests_rejected: float = 0.0
     prompt_tokens_waiting: float = 0.0
     kv_cache_usage_mean: float = 0.0
     kv_cache_usage_max: float = 0.0

@@ -98,7 +98,7 @@ class Sampler:
         device = logits.device
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         scaled = logits.float() / temps.view(-1, 1)
-        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         top_ps = [p.top_p for p in params]
         filtered = any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps)
         if filtered:

@@ -17,6 +17,8 @@ from .repetition import check_window
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
+# Past any vocabulary (a larger top_k filters nothing); bounded so no tensor op sees an int64 overflow.
+MAX_TOP_K = 1 << 20
 SEED_LIMIT = 2**63
 # OpenAI's own bounds for logit_bias: at most 300 tokens, each biased by a number in [-100, 100].
 MAX_LOGIT_BIAS_TOKENS = 300
@@ -66,8 +68,8 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             _bad("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_number("top_k", self.top_k, int)
-        if self.top_k < -1:
-            _bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            _bad("top_k", f"must be -1, 0 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
         _check_number("max_tokens", self.max_tokens, int)
