@@ -5,8 +5,9 @@
 Loopback only and bounded: two unified workers of the built-in model and a router, all on 127.0.0.1,
 every request with a deadline (a request past it is a hang), the whole run within --budget-s. For each
 attack it reports the inputs tried, the answers by class (4xx, 5xx, hangs, 2xx where a rejection was
-expected: silently accepted), and how many innocent requests (exact-answer questions sent at the same
-time through the router) failed. Prints one markdown table (docs/BENCHMARKS.md carries the figures).
+expected: silently accepted), and how many innocent requests failed: greedy questions sent through
+the router at the same time, each compared with the answer it got alone before any attack. Prints
+one markdown table (docs/BENCHMARKS.md carries the figures).
 """
 
 from __future__ import annotations
@@ -156,35 +157,56 @@ async def send_raw(host: str, port: int, payload: bytes) -> int | None:
 
 
 class Innocents:
-    """Exact-answer questions through the router while an attack runs; any non-200 or wrong answer fails."""
+    """Greedy questions through the router while an attack runs. Each must get exactly the answer the
+    same question got alone before any attack (``calibrate``): the built-in model gets a few sums
+    wrong, and that is not an attack's doing; a different answer, or any non-200, is."""
+
+    POOL = 64
 
     def __init__(self, session: aiohttp.ClientSession, router: str, concurrency: int = 4) -> None:
-        from sovereign_runtime.builtin.tasks import check_answer, sample_training_question
+        import random
+
+        from sovereign_runtime.builtin.tasks import sample_training_question
 
         self.session, self.router, self.concurrency = session, router, concurrency
-        self._sample, self._check = sample_training_question, check_answer
+        rng = random.Random(0)
+        self.questions = [sample_training_question(rng).messages() for _ in range(self.POOL)]
+        self.reference: list[str] = []
         self.sent = self.failed = 0
         self.failures: list[str] = []
         self._stop = asyncio.Event()
 
+    async def _ask(self, messages: list[dict[str, str]]) -> tuple[int, Any, str | None]:
+        body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 64}
+        async with self.session.post(
+            self.router + "/v1/chat/completions",
+            json=body,
+            timeout=aiohttp.ClientTimeout(total=REQUEST_DEADLINE_S * 3),
+        ) as resp:
+            answer = await resp.json(content_type=None)
+            content = answer["choices"][0]["message"]["content"] if resp.status == 200 else None
+            return resp.status, answer, content
+
+    async def calibrate(self) -> None:
+        """Each question's answer, asked one at a time with nothing else running."""
+        for messages in self.questions:
+            status, answer, content = await self._ask(messages)
+            if status != 200 or content is None:
+                raise SystemExit(f"adversarial: calibration failed: {status} {answer}")
+            self.reference.append(content)
+
     async def _one(self, rng: Any) -> None:
-        question = self._sample(rng)
-        body = {"model": MODEL, "messages": question.messages(), "temperature": 0, "max_tokens": 64}
+        index = rng.randrange(len(self.questions))
         self.sent += 1
         try:
-            async with self.session.post(
-                self.router + "/v1/chat/completions",
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=REQUEST_DEADLINE_S * 3),
-            ) as resp:
-                answer = await resp.json(content_type=None)
-                content = answer["choices"][0]["message"]["content"] if resp.status == 200 else None
-                if resp.status != 200 or not self._check(question, content or ""):
-                    self.failed += 1
-                    said = content if resp.status == 200 else answer
-                    self.failures.append(
-                        f"{resp.status}: asked {question.messages()[-1]['content']!r}, got {str(said)[:160]!r}"
-                    )
+            status, answer, content = await self._ask(self.questions[index])
+            if status != 200 or content != self.reference[index]:
+                self.failed += 1
+                said = content if status == 200 else answer
+                asked = self.questions[index][-1]["content"]
+                self.failures.append(
+                    f"{status}: asked {asked!r}, got {str(said)[:160]!r}, alone {self.reference[index]!r}"
+                )
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
             self.failed += 1
             self.failures.append(f"{exc.__class__.__name__}: {exc}"[:160])
@@ -544,6 +566,7 @@ async def run(budget_s: float, log_dir: Path) -> list[Tally]:
                 await wait_ready(session, url)
             await wait_routable(session, router, len(workers))
             innocents = Innocents(session, router)
+            await innocents.calibrate()
             baseline = Tally("baseline: no attack, 10 s")
             async with innocents.running(baseline):
                 await asyncio.sleep(10)
