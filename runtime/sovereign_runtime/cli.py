@@ -149,6 +149,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="admitted requests not yet running; past this new ones get 429 with Retry-After",
     )
     add_read_deadline_flags(p)
+    p.add_argument(
+        "--request-timeout",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="abort a generation request this long after it arrived (408); 0: no limit. A request's"
+        " own request_timeout may ask for less",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip warm-up requests before reporting ready")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     guard = p.add_argument_group("output guard (docs/troubleshooting.md)")
@@ -325,6 +333,7 @@ def run_serve(args: argparse.Namespace) -> int:
         self_test_interval_s=args.self_test_interval,
         repetition_window=args.repetition_window,
         read_deadlines=read_deadlines(args),
+        request_timeout_s=args.request_timeout,
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:

@@ -294,3 +294,50 @@ def test_the_prestop_drain_hook_authenticates_with_the_api_key(tokenizer: Tokeni
         assert srv.app[STATE].draining
     finally:
         srv.close()
+
+
+# ---- per-request deadlines ---------------------------------------------------------------------------
+
+
+def _slow_server(tokenizer: Tokenizer, **config: Any) -> tuple[LiveServer, FakeEngine]:
+    engine = FakeEngine(
+        script=tokenizer.encode("a slow answer", add_special_tokens=False),
+        eos_token_id=tokenizer.eos_token_id or 0,
+        delay_s=0.1,
+    )
+    return _serve(engine, tokenizer, **config), engine
+
+
+def test_a_request_past_its_own_deadline_is_aborted_with_a_408(tokenizer: Tokenizer) -> None:
+    srv, engine = _slow_server(tokenizer)
+    try:
+        status, body = srv.request("POST", COMP, _completion(max_tokens=13, request_timeout=0.35))
+        error = _assert_error(status, body, 408)
+        assert error["code"] == "request_timeout" and "0.35 s" in error["message"]
+        assert len(engine.aborted) == 1 and not engine.active  # the engine stopped working on it
+        # Within the deadline nothing changes.
+        status, body = srv.request("POST", COMP, _completion(max_tokens=2, request_timeout=30))
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        # A stream that runs out of time ends with an error event after what it already sent.
+        events = srv.stream(CHAT, _chat(max_tokens=13, stream=True, request_timeout=0.35))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+        assert any(e.get("choices") for e in events[:-2] if isinstance(e, dict))
+    finally:
+        srv.close()
+
+
+def test_the_server_deadline_caps_what_a_request_asks(tokenizer: Tokenizer) -> None:
+    srv, _ = _slow_server(tokenizer, request_timeout_s=0.35)
+    try:
+        for asked in (None, 100):
+            extra = {} if asked is None else {"request_timeout": asked}
+            status, body = srv.request("POST", COMP, _completion(max_tokens=13, **extra))
+            assert _assert_error(status, body, 408)["code"] == "request_timeout"
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "soon", 10**6, True])
+def test_a_bad_request_timeout_is_a_400_naming_it(server: LiveServer, bad: Any) -> None:
+    status, body = server.request("POST", COMP, _completion(request_timeout=bad))
+    _assert_error(status, body, 400, "request_timeout")

@@ -24,6 +24,7 @@ from .metrics import ServerMetrics
 from .output_health import OutputHealthMonitor
 from .protocol import (
     APIError,
+    SamplingRequest,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
@@ -69,6 +70,9 @@ class ServerConfig:
     repetition_window: int = 0
     # How long a client may take to send a request's headers and body, and to stay idle between requests.
     read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
+    # Longest a generation request may run, from arrival to its last token; 0: no limit. A request's
+    # own request_timeout may ask for less, never more.
+    request_timeout_s: float = 0.0
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -350,6 +354,11 @@ class _Api:
                 f" {self.config.max_waiting_requests}); retry shortly or on another replica"
             )
 
+    def _timeout_s(self, sampling: SamplingRequest) -> float | None:
+        """The request's deadline in seconds: the shorter of its own and the server's, None if neither."""
+        limits = [t for t in (sampling.request_timeout, self.config.request_timeout_s) if t]
+        return min(limits) if limits else None
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
             raise APIError(
@@ -391,6 +400,7 @@ class _Api:
             req.sampling.stop,
             rid,
             req.sampling.param_names,
+            self._timeout_s(req.sampling),
         )
         self.state.request_started()
         try:
@@ -525,6 +535,7 @@ class _Api:
                     req.sampling.stop,
                     f"{rid}-{i}",
                     req.sampling.param_names,
+                    self._timeout_s(req.sampling),
                 )
                 for i, (ids, params) in enumerate(jobs)
             ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,15 +51,26 @@ async def collect(steps: AsyncIterator[Step]) -> Outcome:
 
 
 async def _user_errors(
-    gen: AsyncIterator[RequestOutput], param_names: Mapping[str, str]
+    gen: AsyncIterator[RequestOutput],
+    param_names: Mapping[str, str],
+    timeout_s: float | None = None,
+    arrival: float = 0.0,
 ) -> AsyncIterator[RequestOutput]:
-    """The engine refuses requests it cannot serve (e.g. larger than the KV pool): a 400 naming the field."""
+    """The engine refuses requests it cannot serve (e.g. larger than the KV pool): a 400 naming the field.
+    With ``timeout_s``, a request not finished that long after ``arrival`` ends with ``_TimedOut``."""
     it = aiter(gen)
     while True:
         try:
-            out = await anext(it)
+            if timeout_s is None:
+                out = await anext(it)
+            else:
+                # Cancelling the engine's iterator aborts the request and frees its blocks.
+                left = max(0.0, arrival + timeout_s - time.monotonic())
+                out = await asyncio.wait_for(anext(it), left)
         except StopAsyncIteration:
             return
+        except TimeoutError:
+            raise _TimedOut(timeout_s or 0.0) from None
         except InvalidRequest as exc:
             raise request_error(exc, param_names) from None
         except RequestFailed as exc:
@@ -77,6 +89,18 @@ class _Failed(APIError):
         )
 
 
+class _TimedOut(APIError):
+    """The request's deadline passed before its last token (``request_timeout``/``--request-timeout``)."""
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(
+            f"the request did not finish within its deadline of {limit_s:g} s ('request_timeout' or the"
+            " server's --request-timeout); it was aborted",
+            status=408,
+            code="request_timeout",
+        )
+
+
 async def run_request(
     engine: EngineLike,
     tokenizer: Tokenizer,
@@ -86,6 +110,7 @@ async def run_request(
     stops: Sequence[str],
     request_id: str,
     param_names: Mapping[str, str],
+    timeout_s: float | None = None,
 ) -> AsyncIterator[Step]:
     """Yield one ``Step`` per engine output; the last has ``finish_reason`` set.
 
@@ -101,7 +126,7 @@ async def run_request(
     finish: str | None = None
     gen = engine.generate(list(prompt_ids), params, request_id=request_id)
     try:
-        async for out in _user_errors(gen, param_names):
+        async for out in _user_errors(gen, param_names, timeout_s, arrival):
             now = time.monotonic()
             new_ids = out.new_token_ids
             if new_ids:
@@ -133,7 +158,7 @@ async def run_request(
             yield step
             if finish is not None:
                 break
-    except _Failed:
+    except (_Failed, _TimedOut):
         finish = "error"
         raise
     finally:

@@ -71,6 +71,9 @@ class SamplingRequest:
     repetition_window: int | None = None  # None: the server's --repetition-window
     logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
     json_schema: str | None = None  # from response_format; SamplingParams checks it, the engine compiles it
+    # Seconds the request may take from arrival to its last token (a Sovereign extension; the
+    # server's --request-timeout caps it); None: the server's limit, if any.
+    request_timeout: float | None = None
     # Engine field -> the OpenAI parameter the client sent for it, where the names differ.
     param_names: dict[str, str] = field(default_factory=dict)
 
@@ -100,6 +103,9 @@ def _bad(param: str, message: str, code: str | None = "invalid_value") -> APIErr
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+MAX_REQUEST_TIMEOUT_S = 86_400
 
 
 def _get_number(body: dict[str, Any], name: str, default: float) -> float:
@@ -179,6 +185,14 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     for name, why in UNSUPPORTED_FIELDS.items():
         if body.get(name) not in (None, [], {}) and not (name == "tool_choice" and body[name] == "none"):
             raise _bad(name, f"'{name}': {why}; leave it out", "unsupported_value")
+    if body.get("request_timeout") is not None:
+        limit = _get_number(body, "request_timeout", 0.0)
+        if not 0 < limit <= MAX_REQUEST_TIMEOUT_S:
+            raise _bad(
+                "request_timeout",
+                f"'request_timeout' must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S}], got {limit:g}",
+            )
+        s.request_timeout = limit
     response_format = body.get("response_format")
     if response_format is not None:
         s.json_schema = _response_format_schema(response_format)
