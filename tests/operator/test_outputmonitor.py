@@ -63,10 +63,12 @@ class FakeKube:
 
 
 @asynccontextmanager
-async def pods_serving(answers: dict[str, dict[str, Any] | None]) -> AsyncIterator[str]:
-    """One loopback server; ``/{pod}/health/startup`` answers ``answers[pod]`` (None: 500 without JSON)."""
+async def pods_serving(answers: dict[str, dict[str, Any] | None], delay_s: float = 0.0) -> AsyncIterator[str]:
+    """One loopback server; ``/{pod}/health/startup`` answers ``answers[pod]`` (None: 500 without JSON)
+    after ``delay_s``."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(delay_s)
         body = answers.get(request.match_info["pod"])
         if body is None:
             return web.Response(status=500, text="boom")
@@ -161,43 +163,31 @@ async def _test_an_unreadable_pod_is_unknown() -> None:
 async def _test_an_unreachable_pod_is_written_once_however_it_fails() -> None:
     # A pod IP that does not answer gives a timeout one round and a refusal (or no route) the next;
     # the condition must not be rewritten each round for that (the steady-state cluster test saw it).
-    async def slow(request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(1.0)
-        return web.json_response(_startup(True))
-
-    app = web.Application()
-    app.router.add_get("/health/startup", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    slow_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        refused_port = probe.getsockname()[1]
+        refused = f"http://127.0.0.1:{probe.getsockname()[1]}"
     kube = FakeKube(_body(), [_pod("tiny-unified-0")])
-    port = [refused_port]
     now = [0.0]
-    session = aiohttp.ClientSession()
-    monitor = OutputHealthMonitor(
-        kube,
-        lambda: session,
-        pod_url=lambda pod: f"http://127.0.0.1:{port[0]}/health/startup",
-        clock=lambda: now[0],
-        timeout_s=0.2,
-    )
-    try:
-        first = await monitor.tick("ns", "tiny", kube.body)
-        port[0] = slow_port
-        now[0] = 20.0
-        second = await monitor.tick("ns", "tiny", kube.body)
-        assert first is not None and second is not None
-        assert (second["status"], second["reason"]) == ("Unknown", "Unreachable")
-        assert "tiny-unified-0 (not reachable within 0.2 s)" in second["message"]
-        assert first["message"] == second["message"] and len(kube.writes) == 1
-    finally:
-        await session.close()
-        await runner.cleanup()
+    async with pods_serving({"tiny-unified-0": _startup(True)}, delay_s=1.0) as slow:
+        base = [refused]
+        session = aiohttp.ClientSession()
+        monitor = OutputHealthMonitor(
+            kube,
+            lambda: session,
+            pod_url=lambda pod: f"{base[0]}/{pod['metadata']['name']}/health/startup",
+            clock=lambda: now[0],
+            timeout_s=0.2,
+        )
+        try:
+            first = await monitor.tick("ns", "tiny", kube.body)
+            base[0], now[0] = slow, 20.0
+            second = await monitor.tick("ns", "tiny", kube.body)
+        finally:
+            await session.close()
+    assert first is not None and second is not None
+    assert (second["status"], second["reason"]) == ("Unknown", "Unreachable")
+    assert "tiny-unified-0 (not reachable within 0.2 s)" in second["message"]
+    assert first["message"] == second["message"] and len(kube.writes) == 1
 
 
 async def _test_remediation_restarts_one_failing_pod_per_pool_with_backoff() -> None:

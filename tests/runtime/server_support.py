@@ -8,8 +8,9 @@ end-to-end tests use the real engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,3 +239,19 @@ def distinct_free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+@contextlib.contextmanager
+def serving_checkpoint(checkpoint: Path, model_name: str, **engine: Any) -> Iterator[LiveServer]:
+    """The real engine on ``checkpoint`` (CPU) behind the HTTP server, ready; closed on exit.
+    ``engine``: EngineOptions fields (max_model_len, max_num_seqs, num_kv_blocks...)."""
+    from sovereign_runtime.assembly import EngineOptions, make_loader
+    from sovereign_runtime.server import ServerConfig, create_app
+
+    options = EngineOptions(model_path=checkpoint, device="cpu", **engine)
+    srv = LiveServer(create_app(ServerConfig(served_model_name=model_name), loader=make_loader(options)))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()

@@ -15,13 +15,11 @@ from typing import Any
 
 import jsonschema
 import pytest
-from server_support import LiveServer, byte_tokenizer_checkpoint
-from sovereign_runtime.assembly import EngineOptions, make_loader
+from server_support import LiveServer, byte_tokenizer_checkpoint, serving_checkpoint
 from sovereign_runtime.builtin import resolve_builtin
 from sovereign_runtime.engine import InvalidRequest, SamplingParams
 from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
 from sovereign_runtime.engine.grammar import JSON_OBJECT_SCHEMA, MAX_SCHEMA_BYTES, Grammars
-from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.tokenizer import Tokenizer
 
 MODEL = "tiny-json"
@@ -144,15 +142,8 @@ def server(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     checkpoint = byte_tokenizer_checkpoint(tiny_checkpoint_factory, tmp_path_factory.mktemp("json") / "ckpt")
-    options = EngineOptions(
-        model_path=checkpoint, device="cpu", max_model_len=256, max_num_seqs=4, num_kv_blocks=64
-    )
-    srv = LiveServer(create_app(ServerConfig(served_model_name=MODEL), loader=make_loader(options)))
-    try:
-        srv.wait_ready()
+    with serving_checkpoint(checkpoint, MODEL, max_model_len=256, max_num_seqs=4, num_kv_blocks=64) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 def _chat(server: LiveServer, response_format: Any, **extra: Any) -> tuple[int, dict[str, Any]]:

@@ -11,10 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from server_support import LiveServer, byte_tokenizer_checkpoint
-from sovereign_runtime.assembly import EngineOptions, make_loader
+from server_support import LiveServer, byte_tokenizer_checkpoint, serving_checkpoint
 from sovereign_runtime.model import greedy_generate, load_model
-from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
 
 MODEL = "tiny-e2e"
@@ -30,15 +28,10 @@ def checkpoint(
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[LiveServer]:
-    options = EngineOptions(
-        model_path=checkpoint, device="cpu", max_model_len=MAX_LEN, max_num_seqs=8, num_kv_blocks=64
-    )
-    srv = LiveServer(create_app(ServerConfig(served_model_name=MODEL), loader=make_loader(options)))
-    try:
-        srv.wait_ready()
+    with serving_checkpoint(
+        checkpoint, MODEL, max_model_len=MAX_LEN, max_num_seqs=8, num_kv_blocks=64
+    ) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 def _stats(server: LiveServer) -> Any:

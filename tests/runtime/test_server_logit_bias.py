@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_support import LiveServer, byte_tokenizer_checkpoint
-from sovereign_runtime.assembly import EngineOptions, make_loader
-from sovereign_runtime.server import ServerConfig, create_app
+from server_support import LiveServer, byte_tokenizer_checkpoint, serving_checkpoint
 from sovereign_runtime.server.app import STATE
 from sovereign_runtime.tokenizer import Tokenizer
 
@@ -28,15 +26,8 @@ def server(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     checkpoint = byte_tokenizer_checkpoint(tiny_checkpoint_factory, tmp_path_factory.mktemp("bias") / "ckpt")
-    options = EngineOptions(
-        model_path=checkpoint, device="cpu", max_model_len=128, max_num_seqs=4, num_kv_blocks=32
-    )
-    srv = LiveServer(create_app(ServerConfig(served_model_name=MODEL), loader=make_loader(options)))
-    try:
-        srv.wait_ready()
+    with serving_checkpoint(checkpoint, MODEL, max_model_len=128, max_num_seqs=4, num_kv_blocks=32) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 def _tokenizer(server: LiveServer) -> Tokenizer:
