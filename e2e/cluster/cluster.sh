@@ -4,6 +4,7 @@
 #
 #   cluster.sh up         create (or reuse, or restart) the cluster; kubeconfig -> .cluster/kubeconfig
 #   cluster.sh down       delete it
+#   cluster.sh restart [etcd] [kube-apiserver]  restart those on their data (fault tests; both by default)
 #   cluster.sh rdma on|off  give the GPU nodes the RDMA device-plugin resource, or take it away
 #   cluster.sh status     is it up?
 #   cluster.sh audit-log  path of the apiserver's audit log of writes (kwok/audit-policy.yaml)
@@ -139,6 +140,43 @@ down() {
   echo "cluster.sh: cluster '$name' deleted"
 }
 
+restart() {
+  # Restart control-plane processes on their data (fault tests): etcd and/or kube-apiserver, both by
+  # default. Clients' watches break and the apiserver's watch cache starts empty (watches resuming
+  # from an older resourceVersion get 410 Gone). Only these two: a restarted kwok controller could
+  # not manage the nodes until its predecessor's node leases expired (200 s), and a restarted
+  # controller-manager or scheduler waits out its predecessor's leader lease.
+  exists || {
+    echo "cluster.sh: no cluster '$name' to restart" >&2
+    exit 1
+  }
+  local pids="$KWOK_WORKDIR/clusters/$name/pids" component pid _
+  local components=("$@")
+  [[ ${#components[@]} -gt 0 ]] || components=(etcd kube-apiserver)
+  for component in "${components[@]}"; do
+    case "$component" in
+    etcd | kube-apiserver) ;;
+    *)
+      echo "cluster.sh: restart takes etcd and/or kube-apiserver, got '$component'" >&2
+      exit 2
+      ;;
+    esac
+    pid=$(cat "$pids/$component.pid" 2>/dev/null || true)
+    # SIGKILL: a crash, and no graceful shutdown still holding the port when the new one starts.
+    if [[ -n "$pid" ]] && kill -KILL "$pid" 2>/dev/null; then
+      for _ in $(seq 1 100); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+      done
+    fi
+    rm -f "$pids/$component.pid"
+  done
+  # `start cluster` starts exactly the components whose pid file is missing.
+  kwokctl start cluster >/dev/null 2>&1
+  wait_ready
+  echo "cluster.sh: restarted ${components[*]} of cluster '$name'"
+}
+
 rdma() {
   local gpu_nodes node
   gpu_nodes=$(kubectl get nodes -l nvidia.com/gpu.present=true -o name)
@@ -166,11 +204,12 @@ rdma() {
 case "${1:-}" in
 up) up ;;
 down) down ;;
+restart) restart "${@:2}" ;;
 rdma) rdma "${2:-}" ;;
 audit-log) echo "$KWOK_WORKDIR/clusters/$name/logs/audit.log" ;;
 status) if healthy; then echo "up: KUBECONFIG=$kubeconfig"; else echo "down"; exit 1; fi ;;
 *)
-  echo "usage: cluster.sh up|down|status|audit-log|rdma on|off" >&2
+  echo "usage: cluster.sh up|down|restart [etcd] [kube-apiserver]|status|audit-log|rdma on|off" >&2
   exit 2
   ;;
 esac
