@@ -115,7 +115,7 @@ def test_latency_comes_from_the_window_not_the_lifetime() -> None:
     restarted = parse_pod_metrics(runtime_text(ttft={0.5: 4}), "u", 30.0)
     pool = aggregate_pool({"u": restarted}, {"u": after}, pods_expected=1, now=30.0)
     assert pool.ttft_seconds is not None and 0.1 < pool.ttft_seconds <= 0.5
-    # No previous sample: gauges yes, latency not yet.
+    # No previous sample: gauges yes, latency only from the second round.
     first = aggregate_pool({"u": after}, {}, pods_expected=1, now=15.0)
     assert first.ttft_seconds is None and first.pods_reporting == 1
 
@@ -144,7 +144,7 @@ def test_requests_refused_for_load_count_as_waiting() -> None:
     b = parse_pod_metrics(runtime_text(waiting=4, rejected=4), "b", 15.0)  # b restarted meanwhile
     pool = aggregate_pool({"a": a, "b": b}, {"a": a0, "b": b0}, pods_expected=2, now=16.0)
     assert pool.requests_rejected == 11 and pool.requests_waiting == 8 + 11
-    first = aggregate_pool({"a": a0}, {}, pods_expected=1, now=1.0)  # no window yet: nothing counted
+    first = aggregate_pool({"a": a0}, {}, pods_expected=1, now=1.0)  # a first round has no window: nothing counted
     assert first.requests_rejected == 0 and first.requests_waiting == 4
 
 
@@ -187,7 +187,7 @@ def test_scraper_aggregates_pods_and_reports_failures() -> None:
         assert (first.pods_reporting, first.pods_expected) == (2, 4)
         assert first.requests_running == 3 and first.requests_waiting == 3
         assert first.kv_cache_usage_mean == pytest.approx(0.6)
-        assert first.ttft_seconds is None  # no window yet
+        assert first.ttft_seconds is None  # a first round has no window
         assert any("timed out" in e for e in first.errors) and any("HTTP 500" in e for e in first.errors)
         # The second window saw only the 50 slow requests.
         assert second.ttft_seconds is not None and second.ttft_seconds > 1.0

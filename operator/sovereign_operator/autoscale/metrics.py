@@ -183,7 +183,7 @@ def aggregate_pool(
 
     Queues are summed, KV usage averaged (and maxed), latencies are the quantile (or the mean when
     `quantile` is None) of the observations between the two rounds; pods seen for the first time
-    contribute gauges but no latency window yet. Requests the pods refused for load (429) between
+    contribute gauges but no latency window until their second round. Requests the pods refused for load (429) between
     the two rounds count as waiting: a full queue hides exactly the demand that should scale up.
     """
     pods = list(current.values())
