@@ -63,29 +63,27 @@ def _seconds(text: str) -> float:
     return value
 
 
+_FLAGS = (
+    (
+        "--header-timeout",
+        "header_timeout_s",
+        "a request's line and headers must arrive within this (else 408 and close)",
+    ),
+    (
+        "--body-timeout",
+        "body_timeout_s",
+        "a request's body must arrive within this once its headers are in (else 408)",
+    ),
+    ("--idle-timeout", "idle_timeout_s", "a kept-alive connection with no request closes after this"),
+)
+
+
 def add_read_deadline_flags(parser: argparse.ArgumentParser) -> None:
     defaults = ReadDeadlines()
-    parser.add_argument(
-        "--header-timeout",
-        type=_seconds,
-        default=defaults.header_timeout_s,
-        metavar="SECONDS",
-        help="a request's line and headers must arrive within this (else 408 and close)",
-    )
-    parser.add_argument(
-        "--body-timeout",
-        type=_seconds,
-        default=defaults.body_timeout_s,
-        metavar="SECONDS",
-        help="a request's body must arrive within this once its headers are in (else 408 and close)",
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=_seconds,
-        default=defaults.idle_timeout_s,
-        metavar="SECONDS",
-        help="a kept-alive connection with no request closes after this",
-    )
+    for flag, name, help_text in _FLAGS:
+        parser.add_argument(
+            flag, type=_seconds, default=getattr(defaults, name), metavar="SECONDS", help=help_text
+        )
 
 
 def read_deadlines(args: argparse.Namespace) -> ReadDeadlines:
