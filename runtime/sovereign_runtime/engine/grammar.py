@@ -30,6 +30,7 @@ MAX_SCHEMA_BYTES = 64 * 1024
 # Whitespace the grammar allows between two JSON tokens: enough for a newline and indentation five
 # levels deep at two spaces, not for a model that drifts into whitespace until max_tokens.
 MAX_WHITESPACE_RUN = 12
+GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
 
 
 class Grammars:
@@ -58,7 +59,10 @@ class Grammars:
                     vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids,
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                # Bounded: every distinct schema a client sends stays cached otherwise.
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
             return self._compiler
 
     def compile(self, schema: str) -> Any:
