@@ -340,3 +340,66 @@ def test_switching_back_to_fixed_replicas_clears_the_autoscaler_status() -> None
     assert [c["type"] for c in status["conditions"]] == ["Ready"]
     # Rendering no longer sees an override.
     assert replica_overrides(status) == {}
+
+
+def test_a_new_leader_decides_as_the_old_one_would_have() -> None:
+    # Failover: leader A scales up and is lost while the new replica starts; B starts from the
+    # status A wrote and the cluster as it is. Against a twin that never failed over, B's decisions
+    # are the same every round: no second scale-up while the first is in flight, no early
+    # scale-down when the load drops (the stabilisation window holds across the failover).
+    spec = copy.deepcopy(SPEC)
+    spec["autoscaling"]["scaleDownStabilizationSeconds"] = 60
+    kv = {f"tiny-unified-{i}": 0.9 for i in range(4)}
+    clock = [T0]
+
+    def world() -> FakeKube:
+        return FakeKube(body(spec), 2, [pod("tiny-unified-0"), pod("tiny-unified-1")])
+
+    async def noop(_: Mapping[str, Any]) -> None:
+        return None
+
+    async def main() -> list[tuple[Any, Any]]:
+        async with metrics_server(kv) as port:
+
+            def controller(kube: FakeKube) -> AutoscaleController:
+                return AutoscaleController(
+                    kube,
+                    noop,
+                    pod_url=lambda p: f"http://127.0.0.1:{port}/{p['metadata']['name']}/metrics",
+                    clock=lambda: clock[0],
+                )
+
+            steady_kube, failed_kube = world(), world()
+            steady, leader_a = controller(steady_kube), controller(failed_kube)
+            rounds: list[tuple[Any, Any]] = []
+
+            async def round_(other: AutoscaleController) -> None:
+                a = await steady.tick("llm", "tiny")
+                b = await other.tick("llm", "tiny")
+                assert a is not None and b is not None
+                rounds.append((a["unified"].desired, b["unified"].desired))
+                for kube, decision in ((steady_kube, a), (failed_kube, b)):
+                    wanted = decision["unified"].desired
+                    while len(kube.pods) < wanted:  # the StatefulSet creates the pod, not ready yet
+                        kube.pods.append(pod(f"tiny-unified-{len(kube.pods)}", ready=False))
+                    kube.replicas = wanted
+
+            await round_(leader_a)  # both scale up to 3
+            await leader_a.close()
+            leader_b = controller(failed_kube)  # A is gone; B never saw this deployment
+            clock[0] += 15
+            await round_(leader_b)  # the third replica is still starting: both hold
+            for kube in (steady_kube, failed_kube):  # it becomes ready, and the load drops
+                kube.pods[2] = pod("tiny-unified-2")
+            for name in kv:
+                kv[name] = 0.1
+            for _ in range(8):  # two minutes: past the 60 s window, both scale down alike
+                clock[0] += 15
+                await round_(leader_b)
+            await steady.close()
+            await leader_b.close()
+            return rounds
+
+    rounds = asyncio.run(main())
+    assert [b for _, b in rounds] == [a for a, _ in rounds], rounds
+    assert rounds[0] == (3, 3) and rounds[1] == (3, 3) and rounds[-1][0] < 3, rounds

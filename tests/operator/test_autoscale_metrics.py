@@ -144,7 +144,9 @@ def test_requests_refused_for_load_count_as_waiting() -> None:
     b = parse_pod_metrics(runtime_text(waiting=4, rejected=4), "b", 15.0)  # b restarted meanwhile
     pool = aggregate_pool({"a": a, "b": b}, {"a": a0, "b": b0}, pods_expected=2, now=16.0)
     assert pool.requests_rejected == 11 and pool.requests_waiting == 8 + 11
-    first = aggregate_pool({"a": a0}, {}, pods_expected=1, now=1.0)  # a first round has no window: nothing counted
+    first = aggregate_pool(
+        {"a": a0}, {}, pods_expected=1, now=1.0
+    )  # a first round has no window: nothing counted
     assert first.requests_rejected == 0 and first.requests_waiting == 4
 
 
