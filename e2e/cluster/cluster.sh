@@ -58,8 +58,10 @@ exists() { [[ -f "$KWOK_WORKDIR/clusters/$name/kwok.yaml" ]]; }
 # machine routes there (a sandbox's egress proxy answered 404, or timed out under load), and the
 # health conditions changed with it.
 POD_CIDR=127.0.80.0/24
+# One controller-manager and one scheduler: without leader election they survive an etcd or
+# apiserver restart (`restart`), where a lost lease would make them exit.
 # What `create` was given that an existing cluster must match; a mismatch recreates it.
-create_stamp="pod-cidr=$POD_CIDR"
+create_stamp="pod-cidr=$POD_CIDR leader-elect=false"
 stamp_file() { echo "$KWOK_WORKDIR/clusters/$name/sovereign-create-stamp"; }
 
 healthy() {
@@ -120,6 +122,8 @@ up() {
       --extra-args "etcd=listen-client-urls=http://127.0.0.1:${p[1]}" \
       --extra-args "etcd=listen-peer-urls=http://127.0.0.1:${p[5]}" \
       --extra-args "kwok-controller=cidr=$POD_CIDR" \
+      --extra-args "kube-controller-manager=leader-elect=false" \
+      --extra-args "kube-scheduler=leader-elect=false" \
       --wait 60s >"$state/create-$name.log" 2>&1 || {
       cat "$state/create-$name.log" >&2
       exit 1
@@ -144,8 +148,7 @@ restart() {
   # Restart control-plane processes on their data (fault tests): etcd and/or kube-apiserver, both by
   # default. Clients' watches break and the apiserver's watch cache starts empty (watches resuming
   # from an older resourceVersion get 410 Gone). Only these two: a restarted kwok controller could
-  # not manage the nodes until its predecessor's node leases expired (200 s), and a restarted
-  # controller-manager or scheduler waits out its predecessor's leader lease.
+  # not manage the nodes until its predecessor's node leases expired (200 s).
   exists || {
     echo "cluster.sh: no cluster '$name' to restart" >&2
     exit 1
