@@ -20,7 +20,7 @@ from ..engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
-# OpenAI features this server lacks: each is a 400 naming the field, never accepted and ignored.
+# Refused OpenAI fields: each answers a 400 that names the field and why it is refused.
 UNSUPPORTED_FIELDS = {
     "tools": "this server has no tool calling",
     "tool_choice": "this server has no tool calling",
