@@ -241,6 +241,26 @@ def test_completion_logprobs(server: LiveServer, engine: FakeEngine) -> None:
     assert lp["token_logprobs"] == [-0.5, -0.5] and len(lp["top_logprobs"]) == 2 and lp["text_offset"][0] == 0
 
 
+
+def test_completion_return_token_ids(server: LiveServer, engine: FakeEngine) -> None:
+    body = {"prompt": [[5, 6, 7], [8]], "max_tokens": 4, "return_token_ids": True}
+    status, full = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    script = engine.script[:4]
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in full["choices"]] == [
+        ([5, 6, 7], script),
+        ([8], script),
+    ]
+    events = server.stream("/v1/completions", {**body, "prompt": [5, 6, 7], "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert chunks[0]["prompt_token_ids"] == [5, 6, 7]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == script
+    status, plain = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert "token_ids" not in plain["choices"][0]
+    status, _ = server.request("POST", "/v1/completions", {**body, "return_token_ids": "yes"})
+    assert status == 400
+
 # ---- errors ------------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"

@@ -540,9 +540,12 @@ class _Api:
                 for i, (ids, params) in enumerate(jobs)
             ]
             try:
+                prompt_ids = [ids for ids, _ in jobs] if req.return_token_ids else None
                 if req.stream:
-                    return await self._completion_stream(request, rt, req.include_usage, streams, rid)
-                return await self._completion_full(rt, streams, rid)
+                    return await self._completion_stream(
+                        request, rt, req.include_usage, streams, rid, prompt_ids
+                    )
+                return await self._completion_full(rt, streams, rid, prompt_ids)
             finally:
                 for s in streams:
                     await s.aclose()
@@ -550,13 +553,20 @@ class _Api:
             self.state.request_finished()
 
     async def _completion_full(
-        self, rt: LoadedRuntime, streams: list[AsyncIterator[Step]], rid: str
+        self,
+        rt: LoadedRuntime,
+        streams: list[AsyncIterator[Step]],
+        rid: str,
+        prompt_ids: list[list[int]] | None,
     ) -> web.Response:
         results = await asyncio.gather(*(collect(s) for s in streams))
         choices = [
             completion_choice(rt.tokenizer, i, r.text, r.logprobs, r.last.finish_reason)
             for i, r in enumerate(results)
         ]
+        if prompt_ids is not None:
+            for choice, ids, r in zip(choices, prompt_ids, results, strict=True):
+                choice.update(prompt_token_ids=ids, token_ids=r.token_ids)
         envelope = self._envelope(rid, "text_completion")
         return _json(envelope.body(choices, usage=usage(r.last for r in results)))
 
@@ -567,6 +577,7 @@ class _Api:
         include_usage: bool,
         streams: list[AsyncIterator[Step]],
         rid: str,
+        prompt_ids: list[list[int]] | None,
     ) -> web.StreamResponse:
         resp = await self._open_stream(request)
         envelope = self._envelope(rid, "text_completion")
@@ -582,6 +593,7 @@ class _Api:
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         finals: dict[int, Step] = {}
+        prompt_ids_sent: set[int] = set()
         try:
             remaining = len(tasks)
             while remaining:
@@ -591,8 +603,15 @@ class _Api:
                     continue
                 finals[i] = step
                 if not step.text and step.finish_reason is None and not step.logprobs:
-                    continue
+                    if prompt_ids is None or not step.token_ids:
+                        continue
                 choice = completion_choice(rt.tokenizer, i, step.text, step.logprobs, step.finish_reason)
+                if prompt_ids is not None:
+                    # As vLLM streams them: the prompt's ids in a choice's first chunk, each chunk its new ids.
+                    choice["token_ids"] = step.token_ids
+                    if i not in prompt_ids_sent:
+                        prompt_ids_sent.add(i)
+                        choice["prompt_token_ids"] = prompt_ids[i]
                 await resp.write(sse(envelope.body([choice], **no_usage_yet)))
             for t in tasks:
                 t.result()  # surface an engine error

@@ -35,19 +35,22 @@ class Outcome:
     text: str
     logprobs: list[TokenLogprob]
     last: Step  # the final step: finish reason and token counts
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def collect(steps: AsyncIterator[Step]) -> Outcome:
     text: list[str] = []
     logprobs: list[TokenLogprob] = []
+    token_ids: list[int] = []
     last = None
     async for step in steps:
         text.append(step.text)
         logprobs.extend(step.logprobs)
+        token_ids.extend(step.token_ids)
         last = step
     if last is None:
         raise RuntimeError("the engine ended a request without a final output")
-    return Outcome("".join(text), logprobs, last)
+    return Outcome("".join(text), logprobs, last, token_ids)
 
 
 async def _user_errors(

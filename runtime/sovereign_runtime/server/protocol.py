@@ -95,6 +95,8 @@ class CompletionRequest:
     sampling: SamplingRequest
     stream: bool = False
     include_usage: bool = False
+    # vLLM's extension: each choice also carries its prompt's and its output's token ids.
+    return_token_ids: bool = False
 
 
 def _bad(param: str, message: str, code: str | None = "invalid_value") -> APIError:
@@ -378,6 +380,7 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
         sampling=_parse_sampling(body, chat=False),
         stream=stream,
         include_usage=include_usage,
+        return_token_ids=_get_bool(body, "return_token_ids"),
     )
 
 
