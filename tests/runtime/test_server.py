@@ -241,7 +241,6 @@ def test_completion_logprobs(server: LiveServer, engine: FakeEngine) -> None:
     assert lp["token_logprobs"] == [-0.5, -0.5] and len(lp["top_logprobs"]) == 2 and lp["text_offset"][0] == 0
 
 
-
 def test_completion_return_token_ids(server: LiveServer, engine: FakeEngine) -> None:
     body = {"prompt": [[5, 6, 7], [8]], "max_tokens": 4, "return_token_ids": True}
     status, full = server.request("POST", "/v1/completions", body)
@@ -260,6 +259,7 @@ def test_completion_return_token_ids(server: LiveServer, engine: FakeEngine) -> 
     assert "token_ids" not in plain["choices"][0]
     status, _ = server.request("POST", "/v1/completions", {**body, "return_token_ids": "yes"})
     assert status == 400
+
 
 # ---- errors ------------------------------------------------------------------------------------------
 

@@ -602,9 +602,9 @@ class _Api:
                     remaining -= 1
                     continue
                 finals[i] = step
-                if not step.text and step.finish_reason is None and not step.logprobs:
-                    if prompt_ids is None or not step.token_ids:
-                        continue
+                empty = not step.text and step.finish_reason is None and not step.logprobs
+                if empty and (prompt_ids is None or not step.token_ids):
+                    continue
                 choice = completion_choice(rt.tokenizer, i, step.text, step.logprobs, step.finish_reason)
                 if prompt_ids is not None:
                     # As vLLM streams them: the prompt's ids in a choice's first chunk, each chunk its new ids.
