@@ -404,3 +404,47 @@ def test_cached_transposed_weight_follows_weight_updates() -> None:
         assert torch.equal(_apply(linear, x), linear(x))
         linear.weight.data = torch.randn(4, 8)  # new storage under the same parameter
         assert torch.equal(_apply(linear, x), linear(x))
+
+
+def test_packed_cpu_linear_matches_and_follows_weight_updates() -> None:
+    """From PACKED_MIN_ROWS rows an fp32 CPU linear runs on oneDNN's packed copy: the same product (to
+    rounding), rebuilt after in-place updates, replaced weights and (with forget_derived_weights) writes
+    through ``.data``; routed experts are never packed."""
+    from sovereign_runtime.model import layers
+    from sovereign_runtime.model.layers import MoE, _apply, forget_derived_weights
+
+    if not layers._ONEDNN:
+        pytest.skip("this torch build has no oneDNN linear ops (the plain mm path is the one in use)")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(layers.PACKED_MIN_ROWS, 64)
+
+    def close() -> bool:
+        return torch.allclose(_apply(linear, x), x @ linear.weight.t(), rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        assert close() and "_packed" in linear.__dict__
+        linear.weight.mul_(2)
+        assert close()
+        linear.weight = torch.nn.Parameter(torch.randn(32, 64))
+        assert close()
+        linear.weight.data[:4] = 7.0  # invisible to identity and version checks
+        forget_derived_weights(linear)
+        assert close()
+        one_row = x[:1]
+        assert torch.equal(_apply(linear, one_row), torch.mm(one_row, linear.weight.t()))  # few rows: mm
+
+    moe = MoE(
+        ModelConfig.from_dict(
+            json.loads(json.dumps(V3_CONFIG))
+            | {
+                "hidden_size": 64,
+                "moe_intermediate_size": 16,
+                "n_routed_experts": 8,
+                "n_group": 4,
+                "topk_group": 2,
+            }
+        )
+    )
+    assert all(not m.pack_on_cpu for m in moe.experts.modules() if isinstance(m, torch.nn.Linear))
+    assert moe.shared_experts is not None and moe.shared_experts.gate_proj.__dict__.get("pack_on_cpu", True)

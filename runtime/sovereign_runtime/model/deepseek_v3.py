@@ -7,7 +7,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .context import current_attention_metadata
-from .layers import DecoderLayer, RMSNorm, _linear
+from .layers import DecoderLayer, RMSNorm, _apply, _linear
 from .rope import RotaryEmbedding
 
 
@@ -105,7 +105,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return _apply(self.lm_head, hidden).float()
 
     @torch.no_grad()
     def mtp_hidden(

@@ -178,6 +178,9 @@ def corrupt_weight_block(model: nn.Module, name: str, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed + 1)
         noise = torch.randn(block.shape, generator=g) * 10 * spread
         block.copy_(noise.to(p.device, p.dtype))
+    from .layers import forget_derived_weights
+
+    forget_derived_weights(model)
 
 
 def _find_parameter(model: nn.Module, name: str) -> nn.Parameter:
