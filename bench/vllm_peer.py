@@ -303,22 +303,10 @@ def greedy_outputs(url: str, prompts: list[list[int]], new_tokens: int) -> list[
 
 
 def hf_greedy(checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    import torch
-
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
-    from checkpoints import load_hf_reference
+    from checkpoints import hf_greedy as transformers_greedy
 
-    hf = load_hf_reference(checkpoint)
-    hf.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return transformers_greedy(checkpoint, prompts, new_tokens)
 
 
 def compare_served(rounds: int, quick: bool, kv_cache_gib: int = 2) -> int:

@@ -259,6 +259,21 @@ def load_hf_reference(path: str | Path) -> Any:
     return model.float().eval()
 
 
+
+def hf_greedy(path: str | Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Transformers' greedy ``generate`` of ``new_tokens`` per prompt (EOS ignored, like ``ignore_eos``)."""
+    hf = load_hf_reference(path)
+    hf.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+            )
+            out.append(gen[0, len(p) :].tolist())
+    return out
+
 def _to_hf_names(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Real checkpoint names → HF 5.x module names (experts fused into 3-D gate_up_proj / down_proj)."""
     out: dict[str, torch.Tensor] = {}

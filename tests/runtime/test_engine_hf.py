@@ -12,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from checkpoints import load_hf_reference
+from checkpoints import hf_greedy
 from sovereign_runtime.engine import SamplingParams
 from sovereign_runtime.engine.async_engine import AsyncEngine
 from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
@@ -29,17 +28,7 @@ def _prompts(n: int, seed: int, vocab: int = 256, shared: int = 0) -> list[list[
 
 
 def _hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    hf = load_hf_reference(path)
-    hf.generation_config.eos_token_id = None  # compare a fixed number of tokens, like ignore_eos
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
-            )
-            out.append(gen[0, len(p) :].tolist())
-    return out
+    return hf_greedy(path, prompts, NEW_TOKENS)
 
 
 def _engine(path: Path, **kw: object) -> LLMEngine:
