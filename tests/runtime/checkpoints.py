@@ -259,7 +259,6 @@ def load_hf_reference(path: str | Path) -> Any:
     return model.float().eval()
 
 
-
 def hf_greedy(path: str | Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Transformers' greedy ``generate`` of ``new_tokens`` per prompt (EOS ignored, like ``ignore_eos``)."""
     hf = load_hf_reference(path)
@@ -273,6 +272,7 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], new_tokens: int) -> li
             )
             out.append(gen[0, len(p) :].tolist())
     return out
+
 
 def _to_hf_names(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Real checkpoint names → HF 5.x module names (experts fused into 3-D gate_up_proj / down_proj)."""
