@@ -227,7 +227,15 @@ def test_deleting_the_namespace_completes_under_the_namespace_restricted_operato
 def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorHandle, namespace: str) -> None:
     kube.apply(gpu_llmd("ds", decode=1), namespace)
     wait_ready(kube, operator, namespace, "ds")
-    # Let the last status write and the pods' Ready transitions settle.
+    # Steady means every monitor has reported once (their first probes come some seconds after Ready, later
+    # on a loaded host), then the last status write and the pods' Ready transitions settle.
+    monitors = {"KVTransferHealthy", "OutputHealthy"}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        conditions = get_llmd(kube, namespace, "ds").get("status", {}).get("conditions", [])
+        if monitors <= {c.get("type") for c in conditions}:
+            break
+        time.sleep(1)
     time.sleep(5)
     before = resource_versions(kube, namespace, "ds")
     llmd_before = get_llmd(kube, namespace, "ds")
