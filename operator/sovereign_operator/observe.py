@@ -221,10 +221,16 @@ def compute_status(
     )
 
 
+# Pool sub-objects other writers own: the autoscaler's decision, the output monitor's speculation summary.
+_FOREIGN_POOL_KEYS = ("autoscaler", "speculative")
+
+
 def _without_autoscaler(status: dict[str, Any]) -> dict[str, Any]:
     pools = status.get("pools") or {}
     trimmed = {
-        name: {k: v for k, v in pool.items() if k != "autoscaler"} for name, pool in pools.items() if pool
+        name: {k: v for k, v in pool.items() if k not in _FOREIGN_POOL_KEYS}
+        for name, pool in pools.items()
+        if pool
     }
     return {**status, "pools": trimmed} if pools else status
 
@@ -232,7 +238,7 @@ def _without_autoscaler(status: dict[str, Any]) -> dict[str, Any]:
 def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -> dict[str, Any] | None:
     """A JSON merge patch for `status`, or None when nothing the operator owns changed.
 
-    The autoscaler's sub-objects are left out so the two writers cannot undo each other; pools
+    The autoscaler's and the output monitor's sub-objects are left out so writers cannot undo each other; pools
     that no longer exist (after a mode change) are removed with null.
     """
     current = current or {}

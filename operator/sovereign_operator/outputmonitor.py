@@ -26,6 +26,12 @@ from sovereign_operator.outputhealth import (
     output_condition_fields,
 )
 from sovereign_operator.podhttp import get_pod_json
+from sovereign_operator.speculation import (
+    SPECULATIVE_DECODING,
+    condition_fields,
+    pool_summary,
+    requested_pool,
+)
 from sovereign_operator.vocabulary import (
     OUTPUT_HEALTHY,
     condition,
@@ -152,6 +158,7 @@ class OutputHealthMonitor:
         status = body.get("status") or {}
         generation = body.get("metadata", {}).get("generation")
         generation = int(generation) if isinstance(generation, int) else None
+        await self._speculation(namespace, name, body, reports, now, generation)
         fields = output_condition_fields(reports) if reports else None
 
         def wanted_for(current: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -190,6 +197,53 @@ class OutputHealthMonitor:
                     "status refresh after output health change of %s/%s failed: %s", namespace, name, error
                 )
         return wanted
+
+    async def _speculation(
+        self,
+        namespace: str,
+        name: str,
+        body: Mapping[str, Any],
+        reports: list[OutputReport],
+        now: float,
+        generation: int | None,
+    ) -> None:
+        """Write the SpeculativeDecoding condition and the speculating pool's summary when they changed."""
+
+        def wanted_for(status: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+            current = find_condition(status.get("conditions"), SPECULATIVE_DECODING)
+            asked = requested_pool(spec, status.get("mode") or spec.get("mode"))
+            pools: dict[str, Any] = {
+                c: None for c, pool in (status.get("pools") or {}).items() if (pool or {}).get("speculative")
+            }
+            if asked is None:
+                return None, pools
+            component, wanted = asked
+            summary = pool_summary([r for r in reports if r.component == component], wanted)
+            pools[component] = summary
+            fields = condition_fields(component, summary)
+            return condition(SPECULATIVE_DECODING, *fields, rfc3339(now), current, generation), pools
+
+        def patch_for(status: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any] | None:
+            cond, pools = wanted_for(status, spec)
+            have = status.get("pools") or {}
+            pool_patch = {
+                c: {"speculative": v} for c, v in pools.items() if (have.get(c) or {}).get("speculative") != v
+            }
+            patch = conditions_patch(status, SPECULATIVE_DECODING, cond) or {}
+            if pool_patch:
+                patch["pools"] = pool_patch
+            return patch or None
+
+        if patch_for(body.get("status") or {}, body.get("spec") or {}) is None:
+            return
+        live = await self.kube.get_deployment(namespace, name)
+        if live is None or live["metadata"].get("deletionTimestamp"):
+            return
+        patch = patch_for(live.get("status") or {}, live.get("spec") or {})
+        if patch is not None:
+            await self.kube.patch_status(
+                namespace, name, patch, resource_version=live["metadata"].get("resourceVersion")
+            )
 
     async def _remediate(
         self,

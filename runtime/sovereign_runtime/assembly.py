@@ -8,9 +8,11 @@ two together (``cli.py``).
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +21,7 @@ from .engine.async_engine import AsyncEngine
 from .engine.engine import EngineConfig, LLMEngine
 from .engine.grammar import Grammars
 from .engine.selftest import prepare_output_guard
+from .engine.speculative import SpeculativeConfig
 from .engine.tensor_parallel import (
     TensorParallelLeader,
     WorkerGroup,
@@ -37,6 +40,8 @@ from .tokenizer import Tokenizer
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+log = logging.getLogger("sovereign_runtime")
+
 
 @dataclass
 class EngineOptions:
@@ -52,6 +57,8 @@ class EngineOptions:
     # The output self-test before ready and periodically (engine/selftest.py), and a test-only fault.
     self_test: bool = True
     fault: FaultSpec | None = None
+    # MTP speculative decoding (--speculative-*); off by itself when the checkpoint has no MTP layer.
+    speculative: SpeculativeConfig | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -84,6 +91,14 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
     else:
         model = _load_leader(options, group, device, dtype)
     progress("loading_weights", 0.9, "allocating the KV cache")
+    speculative, unavailable = options.speculative, None
+    if speculative is not None and not len(getattr(model, "mtp", ())):
+        unavailable = getattr(model, "mtp_unavailable", None) or (
+            "config.json declares no MTP layer (num_nextn_predict_layers 0)"
+        )
+        log.warning("--speculative-algorithm %s asked for, but %s: serving without speculative decoding",
+                    speculative.algorithm, unavailable)  # fmt: skip
+        speculative = None
     config = EngineConfig(
         max_num_seqs=options.max_num_seqs,
         max_model_len=options.max_model_len,
@@ -91,8 +106,10 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
         kv_cache_gib=options.kv_cache_gib,
         device=device,
         dtype=dtype,
+        speculative=speculative,
     )
     core = LLMEngine.from_model(model, config)
+    core.speculative_unavailable = unavailable
     stop_ids = sorted(core.scheduler.eos_token_ids) or [t for t in (tokenizer.eos_token_id,) if t is not None]
     core.runner.grammars = Grammars(tokenizer, core.vocab_size, stop_ids)
     engine = AsyncEngine(core)
@@ -108,8 +125,26 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
         max_model_len=engine.max_model_len,
         self_test=self_test,
         saturated=saturated,
+        speculative=speculative_card(options.speculative, speculative is not None, unavailable),
         close=engine.shutdown if group is None else lambda: _close_group(engine, model, group),
     )
+
+
+def speculative_card(
+    requested: SpeculativeConfig | None, enabled: bool, unavailable: str | None
+) -> dict[str, Any]:
+    """What ``/v1/models`` says about speculative decoding."""
+    if requested is None:
+        return {"enabled": False}
+    card: dict[str, Any] = {
+        "enabled": enabled,
+        "algorithm": requested.algorithm,
+        "num_draft_tokens": requested.num_draft_tokens,
+        "max_batch_size": requested.max_batch_size,
+    }
+    if unavailable is not None:
+        card["reason"] = unavailable
+    return card
 
 
 def make_loader(options: EngineOptions) -> Loader:

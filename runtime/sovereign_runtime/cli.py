@@ -22,6 +22,7 @@ from . import builtin
 from .assembly import DTYPES, EngineOptions, make_loader, serve_worker, tensor_parallel_problem_for
 from .disagg.service import ROLES, DisaggConfig, DisaggService
 from .engine.repetition import check_window
+from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, SpeculativeConfig
 from .engine.tensor_parallel import spawn_workers
 from .model.faults import FaultSpec
 from .read_deadlines import add_read_deadline_flags, read_deadlines
@@ -49,6 +50,28 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _draft_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in [1, {MAX_DRAFT_TOKENS}], got {text!r}"
+        ) from None
+    if not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DRAFT_TOKENS}], got {value}")
     return value
 
 
@@ -187,10 +210,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="test-only fault, e.g. nan_layer=1,nan_p=0.2 or batch_min_seqs=3 (needs --enable-fault-injection)",
     )
-    # Parsed only to refuse them by name: serving without a speculation the user asked for would hide
-    # that the speed they planned for is absent.
-    p.add_argument("--speculative-algorithm", help=argparse.SUPPRESS)
-    p.add_argument("--speculative-num-draft-tokens", help=argparse.SUPPRESS)
+    spec = p.add_argument_group("speculative decoding (docs/runtime.md)")
+    spec.add_argument(
+        "--speculative-algorithm",
+        choices=ALGORITHMS,
+        help="draft with the checkpoint's multi-token-prediction layer (DeepSeek-V3's NextN) and verify"
+        " the drafts in one forward; outputs are the model's own. A checkpoint without MTP tensors serves"
+        " without it (one warning; /v1/models and /metrics say so)",
+    )
+    spec.add_argument(
+        "--speculative-num-draft-tokens",
+        type=_draft_tokens,
+        metavar="K",
+        help=f"draft tokens per step, 1..{MAX_DRAFT_TOKENS} (default 1; needs --speculative-algorithm)",
+    )
+    spec.add_argument(
+        "--speculative-max-batch-size",
+        type=_non_negative_int,
+        metavar="N",
+        help=f"draft only while at most N sequences run, above it decode is compute-bound and drafting"
+        f" costs more than it returns (default {DEFAULT_MAX_BATCH_SIZE}; 0: always draft)",
+    )
     p.add_argument(
         "--kv-transport",
         choices=("tcp", "rdma"),
@@ -286,21 +326,26 @@ def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:
         raise UsageError(f"serve: {problem}")
 
 
-def check_speculative(args: argparse.Namespace) -> None:
-    """Refuse speculative-decoding flags: this runtime decodes one token per step (see docs/runtime.md)."""
-    for flag, value in (
-        ("--speculative-algorithm", args.speculative_algorithm),
-        ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
-    ):
-        if value is not None:
-            raise UsageError(
-                f"serve: {flag}: speculative decoding is unavailable in this runtime version (it decodes one"
-                " token per step); remove the flag"
-            )
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The engine's speculative decoding from the flags; a draft flag without the algorithm is refused."""
+    if args.speculative_algorithm is None:
+        for flag, value in (
+            ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+            ("--speculative-max-batch-size", args.speculative_max_batch_size),
+        ):
+            if value is not None:
+                raise UsageError(f"serve: {flag} needs --speculative-algorithm mtp")
+        return None
+    config = SpeculativeConfig(algorithm=args.speculative_algorithm)
+    if args.speculative_num_draft_tokens is not None:
+        config.num_draft_tokens = args.speculative_num_draft_tokens
+    if args.speculative_max_batch_size is not None:
+        config.max_batch_size = args.speculative_max_batch_size
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    check_speculative(args)
+    speculative = speculative_config(args)
     model_path = resolve_model(args.model)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_rank is not None:
@@ -321,6 +366,7 @@ def run_serve(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         self_test=not args.no_self_test,
         fault=fault_spec(args),
+        speculative=speculative,
     )
     config = ServerConfig(
         served_model_name=name,

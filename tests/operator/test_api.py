@@ -220,6 +220,28 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "no '..' segments",
     ),
     (
+        "speculative decode",
+        with_changes(DEEPSEEK_SPEC, decode__speculative={"algorithm": "mtp", "numDraftTokens": 2}),
+        None,
+    ),
+    (
+        "speculative on prefill",
+        with_changes(DEEPSEEK_SPEC, prefill__speculative={"numDraftTokens": 1}),
+        "not on prefill",
+    ),
+    (
+        "speculative flags twice",
+        with_changes(
+            DEEPSEEK_SPEC, decode__speculative={}, runtime__args=["--speculative-num-draft-tokens", "2"]
+        ),
+        "remove them from runtime.args",
+    ),
+    (
+        "speculative flags in args alone",
+        with_changes(DEEPSEEK_SPEC, runtime__args=["--speculative-algorithm", "mtp"]),
+        None,
+    ),
+    (
         "paths inside",
         with_changes(DEEPSEEK_SPEC, model__source={"pvc": {"claimName": "w", "path": "/models/..v3/a..b"}}),
         None,

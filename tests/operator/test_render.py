@@ -531,3 +531,27 @@ def test_router_has_requests_and_a_memory_limit_that_fits_its_request() -> None:
         "resources"
     ]
     assert resources == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "250m", "memory": "4Gi"}}
+
+
+def test_decode_speculative_renders_the_flags_on_decode_only() -> None:
+    spec = with_changes(DEEPSEEK_SPEC, decode__speculative={"numDraftTokens": 2, "maxBatchSize": 16})
+    rendered = _render(spec)
+    decode = _container(_one(rendered, "StatefulSet", "llm-decode"))["args"]
+    flags = [
+        "--speculative-algorithm",
+        "mtp",
+        "--speculative-num-draft-tokens",
+        "2",
+        "--speculative-max-batch-size",
+        "16",
+    ]
+    i = decode.index("--speculative-algorithm")
+    assert decode[i : i + len(flags)] == flags
+    prefill = _container(_one(rendered, "StatefulSet", "llm-prefill"))["args"]
+    assert not any(a.startswith("--speculative") for a in prefill)
+    # Unified mode: decode configures the one pool.
+    unified = _render(with_changes(TINY_SPEC, decode={"replicas": 1, "speculative": {}}))
+    sts = next(c for c in unified.children if c["kind"] == "StatefulSet")
+    args = _container(sts)["args"]
+    i = args.index("--speculative-algorithm")
+    assert args[i : i + 4] == ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "1"]

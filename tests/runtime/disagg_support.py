@@ -12,6 +12,7 @@ from aiohttp import web
 from server_support import LiveServer
 from sovereign_runtime.assembly import EngineOptions, load_runtime
 from sovereign_runtime.disagg.service import DisaggConfig, DisaggService
+from sovereign_runtime.engine.speculative import SpeculativeConfig
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
 
@@ -22,10 +23,21 @@ class Instance:
     """One `serve` process's app (any role) running in this process."""
 
     def __init__(
-        self, checkpoint: Path, role: str, name: str = MODEL, api_key: str | None = None, **disagg: Any
+        self,
+        checkpoint: Path,
+        role: str,
+        name: str = MODEL,
+        api_key: str | None = None,
+        speculative: SpeculativeConfig | None = None,
+        **disagg: Any,
     ) -> None:
         options = EngineOptions(
-            model_path=checkpoint, device="cpu", max_model_len=512, max_num_seqs=8, num_kv_blocks=96
+            model_path=checkpoint,
+            device="cpu",
+            max_model_len=512,
+            max_num_seqs=8,
+            num_kv_blocks=96,
+            speculative=speculative,
         )
         config = DisaggConfig(role=role, kv_host="127.0.0.1", kv_port=0, api_key=api_key, **disagg)
         self.service = DisaggService(config, name)

@@ -364,3 +364,25 @@ def test_a_worker_crash_makes_rank0_exit_nonzero() -> None:
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 1, out[-4000:]
         assert "tensor-parallel rank 1 exited" in out
+
+
+def test_tp2_with_mtp_speculation_answers_as_tp1_without_it() -> None:
+    # The MTP layer is sharded like a decoder layer: its forwards are broadcast to the worker too.
+    questions = make_questions(3, seed=13)
+    spec = ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "2"]
+    with _server(1) as (single, single_url), _server(2, *spec) as (sharded, sharded_url):
+        _wait_ready(single, single_url)
+        _wait_ready(sharded, sharded_url)
+        for q in questions:
+            assert _chat(sharded_url, q.prompt) == _chat(single_url, q.prompt), q.prompt
+        with urllib.request.urlopen(sharded_url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        accepted = next(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("sovereign:spec_decode_num_accepted_tokens_total{")
+        )
+        assert accepted > 0, metrics
+        sharded.send_signal(signal.SIGTERM)
+        out, _ = sharded.communicate(timeout=30)
+        assert sharded.returncode == 0, out[-4000:]

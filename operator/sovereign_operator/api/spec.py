@@ -288,6 +288,24 @@ class PoolAutoscaling(ApiModel):
     )
 
 
+class SpeculativeSpec(ApiModel):
+    """Speculative decoding: the checkpoint's own multi-token-prediction (MTP) layer drafts tokens and
+    the model verifies them in one forward, so outputs are the model's own. A checkpoint without MTP
+    tensors serves without it; the SpeculativeDecoding condition then says why."""
+
+    algorithm: Literal["mtp"] = Field("mtp", description="mtp: DeepSeek-V3's NextN draft layer.")
+    num_draft_tokens: int = Field(
+        1, ge=1, le=4, description="Draft tokens per decode step (1-4); 1 is DeepSeek-V3's own choice."
+    )
+    max_batch_size: int | None = Field(
+        None,
+        ge=0,
+        le=4096,
+        description="Draft only while at most this many sequences run in a pod (above it decode is"
+        " compute-bound and drafting costs more than it returns); 0: always; default: the runtime's.",
+    )
+
+
 class PoolSpec(ApiModel):
     """A pool of runtime workers: either fixed `replicas` or `autoscaling` bounds, not both."""
 
@@ -307,6 +325,9 @@ class PoolSpec(ApiModel):
         description="Taints the pool's pods tolerate (GPU nodes often have some).",
     )
     affinity: dict[str, Any] | None = Field(None, description="A Kubernetes Affinity.")
+    speculative: SpeculativeSpec | None = Field(
+        None, description="MTP speculative decoding; decode (or unified) pool only."
+    )
 
     RULES = (
         CrossFieldRule(
@@ -565,6 +586,22 @@ class LLMDeploymentSpec(ApiModel):
             message="mode unified runs one pool configured by decode; remove prefill or use mode"
             " disaggregated or auto",
             holds=lambda s: s.mode != "unified" or s.prefill is None,
+        ),
+        CrossFieldRule(
+            cel="!has(self.prefill) || !has(self.prefill.speculative)",
+            message="speculative decoding drafts while decoding: set it on decode (the unified pool too),"
+            " not on prefill",
+            holds=lambda s: s.prefill is None or s.prefill.speculative is None,
+        ),
+        CrossFieldRule(
+            cel="!has(self.decode) || !has(self.decode.speculative) || !has(self.runtime)"
+            " || !has(self.runtime.args) || !self.runtime.args.exists(a, a.startsWith('--speculative-'))",
+            message="decode.speculative renders the --speculative-* flags: remove them from runtime.args",
+            holds=lambda s: (
+                s.decode is None
+                or s.decode.speculative is None
+                or not any(a.startswith("--speculative-") for a in s.runtime.args)
+            ),
         ),
         CrossFieldRule(
             cel="!has(self.model.source.builtin) || !has(self.runtime)"

@@ -21,7 +21,8 @@ class Condition(ApiModel):
     type: str = Field(
         min_length=1,
         description="Ready, Progressing, Degraded (the operator), MetricsAvailable (the autoscaler),"
-        " KVTransferHealthy (the KV-health monitor).",
+        " KVTransferHealthy (the KV-health monitor), OutputHealthy and SpeculativeDecoding (the output"
+        " monitor).",
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(min_length=1, description="Why, in one CamelCase word.")
@@ -61,6 +62,23 @@ class AutoscalerStatus(ApiModel):
     )
 
 
+class SpeculationStatus(ApiModel):
+    """MTP speculative decoding as the pool's pods report it (written by the output monitor)."""
+
+    num_draft_tokens: int = Field(description="Draft tokens per step the pool asks for.")
+    pods_in_force: int = Field(description="Pods decoding with speculation.")
+    pods_reporting: int = Field(
+        description="Pods that reported (running pods whose /health/startup answered)."
+    )
+    acceptance_rate: float | None = Field(
+        None, description="Accepted / proposed draft tokens over the pods' lifetimes (0-1)."
+    )
+    mean_accept_length: float | None = Field(
+        None, description="Tokens gained per verify step, the verified token included (1: no draft kept)."
+    )
+    reason: str | None = Field(None, description="Why pods serve without it (e.g. no MTP tensors).")
+
+
 class PoolStatus(ApiModel):
     """One pool's StatefulSet as observed."""
 
@@ -70,6 +88,9 @@ class PoolStatus(ApiModel):
     updated_replicas: int = Field(0, description="Pods at the StatefulSet's current revision.")
     autoscaler: AutoscalerStatus | None = Field(
         None, description="The autoscaler's latest decision, when the pool is autoscaled."
+    )
+    speculative: SpeculationStatus | None = Field(
+        None, description="Speculative decoding in force, when the pool asks for it."
     )
 
 

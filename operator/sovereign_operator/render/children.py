@@ -227,7 +227,24 @@ def _runtime_args(spec: LLMDeploymentSpec, component: Component, plan: ModePlan,
         args += ["--drain-timeout", str(spec.runtime.drain_timeout_seconds)]
     if plan.kv_transport is not None:
         args += ["--kv-transport", plan.kv_transport]
-    return args + list(spec.runtime.args)
+    return args + speculative_args(spec, component) + list(spec.runtime.args)
+
+
+def speculative_args(spec: LLMDeploymentSpec, component: Component) -> list[str]:
+    """The decode (or unified) pool's ``--speculative-*`` flags from ``decode.speculative``."""
+    pool = spec.pool_for(component)
+    wanted = pool.speculative if pool is not None and component != "prefill" else None
+    if wanted is None:
+        return []
+    args = [
+        "--speculative-algorithm",
+        wanted.algorithm,
+        "--speculative-num-draft-tokens",
+        str(wanted.num_draft_tokens),
+    ]
+    if wanted.max_batch_size is not None:
+        args += ["--speculative-max-batch-size", str(wanted.max_batch_size)]
+    return args
 
 
 def _worker_env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:

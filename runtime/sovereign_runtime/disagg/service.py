@@ -411,7 +411,7 @@ class DisaggService:
             self._prefill_failed(f"room {room}: cannot open the KV stream: {exc}")
             return _error(502, f"cannot open the KV stream to the decode instance: {exc}")
         rid = f"prefill-{room}"
-        cache = self.engine.engine.runner.kv_cache
+        cache = self.engine.engine.transfer_kv_cache
         exporter = _Exporter(
             stream, cache, num_cached, len(prompt), functools.partial(self.engine.abort, rid)
         )

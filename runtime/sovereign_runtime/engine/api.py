@@ -60,6 +60,10 @@ class RequestOutput:
     first_token_time: float | None = None  # when the first output token was produced
     time: float = 0.0  # when this output was produced (ITL = difference between consecutive ones)
     error: RequestFailed | None = None  # why the engine failed the request (finish_reason "error")
+    # Speculative decoding, this request's totals so far: verify steps, draft tokens proposed, accepted.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -88,3 +92,13 @@ class EngineStats(SchedulerStats):
     precision_fallbacks_recovered_total: int = 0
     isolated_exceptions_total: int = 0
     degenerate_outputs_total: int = 0
+    # MTP speculative decoding (engine/speculative.py); all zero/False when it is off.
+    spec_decode_requested: bool = False
+    spec_decode_enabled: bool = False
+    spec_decode_drafting: bool = False  # False while the adaptive switch holds drafting off
+    spec_decode_num_draft_tokens: int = 0  # K, the draft length asked for
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_acceptance_rate: float = 0.0
+    spec_decode_mean_accept_length: float = 0.0

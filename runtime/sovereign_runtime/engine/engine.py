@@ -20,13 +20,14 @@ from ..model import load_model
 from .api import EngineStats, InvalidRequest, RequestFailed, RequestOutput, TokenLogprob
 from .block_manager import KVLayout, plan_num_blocks
 from .grammar import accept
-from .guard import SequenceFailure, StepGuard
+from .guard import SequenceFailure, StepGuard, rows_by_sequence
 from .model_runner import ModelRunner, PagedModel
 from .repetition import RepetitionDetector
 from .sampler import SamplerOutput, make_generator
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Sequence
+from .speculative import MTPDrafter, SpeculativeConfig, accepted_prefix
 
 
 @dataclass
@@ -42,6 +43,8 @@ class EngineConfig:
     kv_memory_fraction: float | None = None
     device: str = "cpu"
     dtype: torch.dtype | None = None  # default: the model's parameter dtype
+    # MTP speculative decoding (engine/speculative.py); None: one token per step.
+    speculative: SpeculativeConfig | None = None
 
 
 # Prefill-side KV export of one request: ``hook(seq, layer, start, end)`` (see ``LLMEngine.kv_export_hooks``).
@@ -79,8 +82,8 @@ class _LayerExport:
             if hook is not None:
                 # Positions this step writes; read before ``update`` advances num_computed_tokens.
                 targets.append((seq, hook, seq.num_computed_tokens, seq.num_computed_tokens + n))
-        # Only the cache's layers are exported: an MTP layer the engine does not cache never reports.
-        return cls(hooks, targets, int(engine.runner.kv_cache.shape[0]), exported) if targets else None
+        # Only the decoder layers are exported: the MTP layer's rows are the decode side's own to compute.
+        return cls(hooks, targets, engine.num_transfer_layers, exported) if targets else None
 
     def __call__(self, layer: int) -> None:
         if layer >= self.layers:
@@ -122,6 +125,11 @@ class LLMEngine:
         self.device = torch.device(cfg.device)
         dtype = cfg.dtype or _activation_dtype(model)
         max_model_len = cfg.max_model_len or max_position_embeddings
+        # Decoder layers: what a forward writes and what disaggregation transfers; speculation adds the
+        # MTP layer's own pages after them.
+        self.num_transfer_layers = num_layers
+        if cfg.speculative is not None:
+            num_layers += 1
         layout = KVLayout(num_layers, cfg.block_size, kv_cache_dim, dtype)
         # More blocks than max_num_seqs full contexts (twice, for the prefix cache) is wasted host RAM.
         useful = 2 * cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
@@ -167,6 +175,19 @@ class LLMEngine:
         # The output guard (engine/guard.py): finite logits per sequence, one request's failure its own.
         self.guard = StepGuard(model, dtype)
         self._guard_on = True
+        self.drafter = (
+            MTPDrafter(model, self.scheduler, cfg.speculative, self.device)
+            if cfg.speculative is not None
+            else None
+        )
+        # Set by the assembly when speculation was asked for and the checkpoint cannot: why.
+        self.speculative_unavailable: str | None = None
+
+    @property
+    def transfer_kv_cache(self) -> torch.Tensor:
+        """The decoder layers' part of the KV cache (a view): what a prefill instance sends and a decode
+        instance receives. The MTP layer's pages after it stay each instance's own."""
+        return self.runner.kv_cache[: self.num_transfer_layers]
 
     @classmethod
     def from_model(cls, model: Any, config: EngineConfig | None = None) -> LLMEngine:
@@ -174,6 +195,14 @@ class LLMEngine:
         mc = model.config
         eos = mc.eos_token_id
         eos_ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+        if config is not None and config.speculative is not None and not _mtp_layers(model):
+            raise ValueError(
+                "speculative decoding with mtp needs the checkpoint's MTP layer: "
+                + (
+                    getattr(model, "mtp_unavailable", None)
+                    or "config.json declares num_nextn_predict_layers 0"
+                )
+            )
         return cls(
             model,
             num_layers=mc.num_hidden_layers,
@@ -247,8 +276,9 @@ class LLMEngine:
         self.runner.sampler.check_finite = enabled
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns an output per sequence that got a token, and a
-        finished one (``finish_reason`` "error", ``error`` set) per sequence the guard failed."""
+        """Schedule, run the model once, sample; returns an output per sequence that got tokens (several
+        when it verified a draft), and a finished one (``finish_reason`` "error", ``error`` set) per
+        sequence the guard failed."""
         sched = self.scheduler
         batch = sched.schedule()
         if not batch.seqs:
@@ -259,6 +289,8 @@ class LLMEngine:
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if s.num_computed_tokens < s.num_prompt_tokens
         )
+        starts = [s.num_computed_tokens for s in batch.seqs]
+        rewind = _generator_states(batch)
         exported: dict[str, int] = {}
 
         def run(part: ScheduledBatch) -> SamplerOutput:
@@ -275,19 +307,95 @@ class LLMEngine:
             out, failures = run(batch), {}
         now = time.monotonic()
         outputs = [self._fail(seq, failure, now) for seq, failure in failures.items()]
-        # Failed sequences are finished now: update skips them, so they never get a token.
-        sched.update(batch, out.token_ids, now)
-        sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
-        for i, seq in enumerate(sampled):
+        if batch.drafts is None:
+            # One token per sampled sequence (the common path, no speculation this step).
+            sched.update(batch, out.token_ids, now)
+            sampled = [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]
+            for i, seq in enumerate(sampled):
+                if seq in failures:
+                    continue
+                if seq.grammar is not None and not self.advance_grammar(seq, out.token_ids[i]):
+                    outputs.append(self.refuse_grammar_token(seq, out.token_ids[i], now))
+                    continue
+                lp = out.logprobs[i]
+                logprob = (
+                    None if lp is None else TokenLogprob(out.token_ids[i], lp, out.top_logprobs[i] or [])
+                )
+                outputs.append(self.token_output(seq, out.token_ids[i], logprob, now))
+        else:
+            outputs += self._verified(batch, out, failures, rewind, now)
+        self._draft(batch, starts)
+        return outputs
+
+    def _verified(
+        self,
+        batch: ScheduledBatch,
+        out: SamplerOutput,
+        failures: dict[Sequence, SequenceFailure],
+        rewind: dict[Sequence, torch.Tensor],
+        now: float,
+    ) -> list[RequestOutput]:
+        """Keep each sequence's draft tokens up to the first the model did not pick, then that pick."""
+        rows = rows_by_sequence(batch, out)
+        kept: list[list[int]] = []
+        logprobs: dict[Sequence, list[TokenLogprob | None]] = {}
+        stats = self.drafter.stats if self.drafter is not None else None
+        for i, seq in enumerate(batch.seqs):
+            if not batch.sample[i]:
+                continue
+            tokens, lps, tops = rows[seq]
+            draft = batch.draft(i)
+            n = accepted_prefix(draft, tokens) + 1 if seq not in failures else len(tokens)
+            kept.append(tokens[:n])
+            logprobs[seq] = [
+                None if lp is None else TokenLogprob(t, lp, top or [])
+                for t, lp, top in zip(tokens[:n], lps[:n], tops[:n], strict=True)
+            ]
+            if draft and seq not in failures:
+                seq.num_verify_steps += 1
+                seq.num_draft_tokens += len(draft)
+                seq.num_accepted_tokens += n - 1
+                if stats is not None:
+                    stats.num_drafts += 1
+                    stats.num_draft_tokens += len(draft)
+                    stats.num_accepted_tokens += n - 1
+            state = rewind.get(seq)
+            if state is not None:  # leave the generator where drawing exactly the kept tokens leaves it
+                assert seq.generator is not None
+                seq.generator.set_state(state)
+                for _ in range(n):
+                    self.runner.sampler.skip_token(seq.params, seq.generator, self.vocab_size)
+        before = {seq: seq.num_tokens for seq in logprobs}
+        self.scheduler.update_tokens(batch, kept, now)
+        outputs: list[RequestOutput] = []
+        for seq, lps in logprobs.items():
             if seq in failures:
                 continue
-            if seq.grammar is not None and not self.advance_grammar(seq, out.token_ids[i]):
-                outputs.append(self.refuse_grammar_token(seq, out.token_ids[i], now))
+            new = seq.token_ids[before[seq] :]
+            if not new:  # aborted while the step ran
                 continue
-            lp = out.logprobs[i]
-            logprob = None if lp is None else TokenLogprob(out.token_ids[i], lp, out.top_logprobs[i] or [])
-            outputs.append(self.token_output(seq, out.token_ids[i], logprob, now))
+            # A grammar's sequence is never drafted: exactly one token.
+            if seq.grammar is not None and not self.advance_grammar(seq, new[0]):
+                outputs.append(self.refuse_grammar_token(seq, new[0], now))
+                continue
+            self.generation_tokens_total += len(new)
+            asked = seq.params.logprobs is not None
+            lp = [x for x in lps[: len(new)] if x is not None] if asked else None
+            outputs.append(self.request_output(seq, new, lp, now))
         return outputs
+
+    def _draft(self, batch: ScheduledBatch, starts: list[int]) -> None:
+        """Run the MTP layer over this step's kept positions and draft for the next step."""
+        drafter = self.drafter
+        if drafter is None:
+            return
+        forward = self.runner.last_forward
+        self.runner.last_forward = None
+        drafter.stats.drafting = drafter.active()
+        # After a guarded retry the last forward is a part of the batch: skip drafting for one step.
+        if not drafter.stats.drafting or forward is None or forward[0] is not batch:
+            return
+        drafter.propose(batch, forward[1], starts, self.max_model_len)
 
     def advance_grammar(self, seq: Sequence, token: int) -> bool:
         """Feed ``seq``'s new token to its grammar; False if the grammar refuses it."""
@@ -333,6 +441,9 @@ class LLMEngine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             time=now,
+            spec_verify_steps=seq.num_verify_steps,
+            spec_draft_tokens=seq.num_draft_tokens,
+            spec_accepted_tokens=seq.num_accepted_tokens,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -359,7 +470,43 @@ class LLMEngine:
             precision_fallbacks_recovered_total=self.guard.stats.precision_fallbacks_recovered_total,
             isolated_exceptions_total=self.guard.stats.isolated_exceptions_total,
             degenerate_outputs_total=self.scheduler.num_degenerate,
+            **self._speculative_stats(),
         )
+
+    def _speculative_stats(self) -> dict[str, Any]:
+        d = self.drafter
+        if d is None:
+            return {"spec_decode_requested": self.speculative_unavailable is not None}
+        return {
+            "spec_decode_requested": True,
+            "spec_decode_enabled": True,
+            "spec_decode_drafting": d.stats.drafting,
+            "spec_decode_num_draft_tokens": d.config.num_draft_tokens,
+            "spec_decode_num_drafts_total": d.stats.num_drafts,
+            "spec_decode_num_draft_tokens_total": d.stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": d.stats.num_accepted_tokens,
+            "spec_decode_acceptance_rate": d.stats.acceptance_rate,
+            "spec_decode_mean_accept_length": d.stats.mean_accept_length,
+        }
+
+
+def _mtp_layers(model: Any) -> int:
+    inner = getattr(model, "model", model)  # a tensor-parallel leader wraps its shard
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        mtp = getattr(inner, "mtp", None)
+    return len(mtp) if mtp is not None else 0
+
+
+def _generator_states(batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
+    """Generator states of the seeded, sampled sequences verifying a draft, before the step draws."""
+    if batch.drafts is None:
+        return {}
+    return {
+        seq: seq.generator.get_state()
+        for i, seq in enumerate(batch.seqs)
+        if batch.draft(i) and seq.generator is not None and not seq.params.greedy
+    }
 
 
 def _activation_dtype(model: Any) -> torch.dtype:

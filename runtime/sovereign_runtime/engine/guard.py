@@ -64,7 +64,25 @@ def sub_batch(batch: ScheduledBatch, keep: list[int]) -> ScheduledBatch:
         [batch.seqs[i] for i in keep],
         [batch.num_new_tokens[i] for i in keep],
         [batch.sample[i] for i in keep],
+        None if batch.drafts is None else [batch.drafts[i] for i in keep],
     )
+
+
+# A sequence's logit rows of one step: tokens, logprobs, top logprobs (several when it verified a draft).
+Rows = tuple[list[int], list[float | None], list[list[tuple[int, float]] | None]]
+
+
+def rows_by_sequence(part: ScheduledBatch, out: SamplerOutput) -> dict[Sequence, Rows]:
+    """Split a step's sampled rows by sequence (a sequence verifying a draft owns one row per position)."""
+    rows: dict[Sequence, Rows] = {}
+    r = 0
+    for i, seq in enumerate(part.seqs):
+        n = part.logit_rows(i)
+        if n:
+            rows[seq] = (out.token_ids[r : r + n], out.logprobs[r : r + n], out.top_logprobs[r : r + n])
+            r += n
+    assert r == len(out.token_ids), "one sampled row per logit row"
+    return rows
 
 
 def step_shape(batch: ScheduledBatch) -> str:
@@ -111,13 +129,13 @@ class StepGuard:
         run: Run,
     ) -> GuardedStep:
         """Merge the parts' rows back into batch order, recompute or fail the non-finite ones."""
-        rows: dict[Sequence, tuple[int, float | None, list[tuple[int, float]] | None]] = {}
+        rows: dict[Sequence, Rows] = {}
         nonfinite: list[int] = []  # batch indices
         index = {seq: i for i, seq in enumerate(batch.seqs)}
         for part, out in parts:
-            for seq, row in zip(_sampled(part), range(len(out.token_ids)), strict=True):
-                rows[seq] = (out.token_ids[row], out.logprobs[row], out.top_logprobs[row])
-                if out.token_ids[row] == NONFINITE:
+            for seq, seq_rows in rows_by_sequence(part, out).items():
+                rows[seq] = seq_rows
+                if NONFINITE in seq_rows[0]:
                     nonfinite.append(index[seq])
         if nonfinite and self._fp8:
             nonfinite = self._recompute(batch, sorted(nonfinite), run, rows, failures)
@@ -133,14 +151,21 @@ class StepGuard:
             failures[seq] = SequenceFailure(
                 NONFINITE_LOGITS, "the model produced non-finite logits for this request"
             )
-        token_ids, logprobs, tops = [], [], []
-        for seq in _sampled(batch):
-            token, lp, top = rows.get(seq, (NONFINITE, None, None))
-            if seq in failures:
-                token, lp, top = NONFINITE, None, None
-            token_ids.append(token)
-            logprobs.append(lp)
-            tops.append(top)
+        token_ids: list[int] = []
+        logprobs: list[float | None] = []
+        tops: list[list[tuple[int, float]] | None] = []
+        for i, seq in enumerate(batch.seqs):
+            n = batch.logit_rows(i)
+            if not n:
+                continue
+            if seq in failures or seq not in rows:
+                token_ids += [NONFINITE] * n
+                logprobs += [None] * n
+                tops += [None] * n
+            else:
+                token_ids += rows[seq][0]
+                logprobs += rows[seq][1]
+                tops += rows[seq][2]
         return GuardedStep(SamplerOutput(token_ids, logprobs, tops), failures)
 
     def _recompute(
@@ -148,7 +173,7 @@ class StepGuard:
         batch: ScheduledBatch,
         nonfinite: list[int],
         run: Run,
-        rows: dict[Sequence, tuple[int, float | None, list[tuple[int, float]] | None]],
+        rows: dict[Sequence, Rows],
         failures: dict[Sequence, SequenceFailure],
     ) -> list[int]:
         """Run the non-finite sequences again with float32 weights; returns those still not finite."""
@@ -163,11 +188,11 @@ class StepGuard:
         still: list[int] = []
         index = {seq: i for i, seq in enumerate(batch.seqs)}
         for part, out in parts:
-            for seq, row in zip(_sampled(part), range(len(out.token_ids)), strict=True):
-                if out.token_ids[row] == NONFINITE:
+            for seq, seq_rows in rows_by_sequence(part, out).items():
+                if NONFINITE in seq_rows[0]:
                     still.append(index[seq])
                 else:
-                    rows[seq] = (out.token_ids[row], out.logprobs[row], out.top_logprobs[row])
+                    rows[seq] = seq_rows
                     self.stats.precision_fallbacks_recovered_total += 1
         return sorted(still)
 
@@ -194,7 +219,3 @@ class StepGuard:
             parts += p
             failures.update(f)
         return parts, failures
-
-
-def _sampled(batch: ScheduledBatch) -> list[Sequence]:
-    return [s for s, x in zip(batch.seqs, batch.sample, strict=True) if x]

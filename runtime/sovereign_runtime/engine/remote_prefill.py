@@ -60,7 +60,7 @@ class RemotePrefill:
             seq.num_computed_tokens,
             seq.num_prompt_tokens,
             list(seq.block_table),
-            engine.runner.kv_cache,
+            engine.transfer_kv_cache,
             engine.scheduler.block_size,
             # A tensor-parallel leader must copy received rows into its workers' caches too.
             getattr(engine.runner.model, "write_kv_rows", None),

@@ -42,6 +42,16 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # new tokens per sequence; they start at seq.num_computed_tokens
     sample: list[bool]  # True where this chunk ends the sequence's known tokens: it gets a new token
+    # Speculative decoding: per sequence, the draft tokens its chunk carries after its last known token
+    # (its new tokens are then ``1 + len(draft)``, every one with logits); None when no sequence has one.
+    drafts: list[list[int]] | None = None
+
+    def draft(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts is not None else []
+
+    def logit_rows(self, i: int) -> int:
+        """Rows of logits sequence ``i`` gets: none mid-prompt, one, or one per position it verifies."""
+        return (1 + len(self.draft(i))) if self.sample[i] else 0
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +145,11 @@ class Scheduler:
                 remaining = seq.num_uncomputed_tokens
                 if (remaining == 1) != decode_pass:
                     continue
+                if seq.draft:  # verify the draft in the same forward: its positions follow the last token
+                    del seq.draft[max(0, budget - 1) :]
+                    if seq.draft and not self._grow(seq, seq.num_tokens + len(seq.draft)):
+                        seq.draft.clear()  # no room for the draft's KV: an ordinary decode instead
+                    remaining += len(seq.draft)
                 n = min(remaining, budget)
                 while not self._grow(seq, seq.num_computed_tokens + n):
                     victim = next(s for s in reversed(self.running) if s not in chosen)
@@ -168,36 +183,80 @@ class Scheduler:
 
         seqs = list(chosen)
         counts = list(chosen.values())
-        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)]
-        return ScheduledBatch(seqs, counts, sample)
+        sample = [
+            s.num_computed_tokens + n == s.num_tokens + len(s.draft)
+            for s, n in zip(seqs, counts, strict=True)
+        ]
+        drafts = [list(s.draft) for s in seqs] if any(s.draft for s in seqs) else None
+        return ScheduledBatch(seqs, counts, sample, drafts)
 
     def update(self, batch: ScheduledBatch, sampled: list[int], now: float | None = None) -> list[Sequence]:
         """Advance after the model ran ``batch``; ``sampled`` holds one token per ``sample`` row.
 
         Returns the sequences that finished in this step (their blocks are already released).
         """
+        return self.update_tokens(batch, [[t] for t in sampled], now)
+
+    def update_tokens(
+        self, batch: ScheduledBatch, tokens: list[list[int]], now: float | None = None
+    ) -> list[Sequence]:
+        """``update`` where a sampled sequence may gain several tokens: a verified draft's accepted tokens
+        and the token after them. Its KV is kept only for the accepted positions; blocks that held nothing
+        but rejected positions go back to the pool at once. Tokens after a stop are dropped."""
         finished: list[Sequence] = []
-        it = iter(sampled)
+        it = iter(tokens)
         now = time.monotonic() if now is None else now
-        for seq, n, gets_token in zip(batch.seqs, batch.num_new_tokens, batch.sample, strict=True):
-            token = next(it) if gets_token else None
+        for i, (seq, n, gets_token) in enumerate(
+            zip(batch.seqs, batch.num_new_tokens, batch.sample, strict=True)
+        ):
+            new = next(it) if gets_token else None
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += n
-            if self.cache is not None and seq.num_computed_tokens - n < seq.num_prompt_tokens:
+            drafted = bool(batch.draft(i))
+            seq.draft = []
+            # A verified draft: the last known token and each accepted draft token now have their KV.
+            advance = len(new) if drafted and new else n
+            seq.num_computed_tokens += advance
+            if self.cache is not None and seq.num_computed_tokens - advance < seq.num_prompt_tokens:
                 self._cache_prompt_pages(seq)
-            if token is None:
+            if not new:
                 continue
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+            reason = None
+            for token in new:
+                seq.token_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
             if reason is not None:
                 self.running.remove(seq)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
                 self._release(seq, cache_pages=True)
                 self._finish(seq, reason)
                 finished.append(seq)
+            elif drafted:
+                self._trim(seq)
         return finished
+
+    def _trim(self, seq: Sequence) -> None:
+        """Free the blocks past ``seq``'s known tokens (they held only rejected draft positions)."""
+        keep = self._blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.decref(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def grow_for_draft(self, seq: Sequence, num_draft: int) -> int:
+        """Blocks for ``seq``'s next ``num_draft`` draft positions past its known tokens, as many as the
+        pool has without evicting cached pages; returns how many draft tokens fit."""
+        while num_draft > 0:
+            need = self._blocks_for(seq.num_tokens + num_draft) - len(seq.block_table)
+            if need <= self.pool.num_free:
+                if need > 0:
+                    seq.block_table.extend(self.pool.allocate(need))
+                return num_draft
+            num_draft -= 1
+        return 0
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Called once per new output token (already appended)."""
@@ -335,6 +394,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq, cache_pages=True)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -373,7 +433,7 @@ class Scheduler:
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING
             assert self._blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
-            assert len(seq.block_table) <= self._blocks_for(seq.num_tokens)
+            assert len(seq.block_table) <= self._blocks_for(seq.num_tokens + len(seq.draft))
             for b in seq.block_table:
                 expected[b] += 1
         for seq in self.waiting:

@@ -43,6 +43,12 @@ class Sequence:
     repetition: RepetitionDetector | None = None
     # Set when params.json_schema is: the request's xgrammar matcher (engine/grammar.py).
     grammar: Any | None = None
+    # Speculative decoding (engine/speculative.py): tokens the MTP layer proposes after the last token,
+    # verified by the next step; and this request's totals (reported in its usage).
+    draft: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +61,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_running(self) -> bool:
+        return self.status is SequenceStatus.RUNNING
 
     @property
     def is_finished(self) -> bool:

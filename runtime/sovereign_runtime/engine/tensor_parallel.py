@@ -44,7 +44,7 @@ from ..model.context import AttentionMetadata, attention_context, get_attention_
 log = logging.getLogger("sovereign_runtime.tensor_parallel")
 
 # Commands of the header every broadcast round starts with.
-_STOP, _BIND_CACHE, _STEP, _WRITE_ROWS = 0, 1, 2, 3
+_STOP, _BIND_CACHE, _STEP, _WRITE_ROWS, _MTP_STEP = 0, 1, 2, 3, 4
 _HEADER_LEN = 8
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # A worker waits in a broadcast for as long as the server is idle; the collective timeout must not end
@@ -144,27 +144,52 @@ class TensorParallelLeader(nn.Module):
             dist.broadcast(rows.view(torch.uint8), src=0)
             _write_slot_rows(cache, layer, index, rows)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _broadcast_step(self, command: int, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         meta = get_attention_metadata()
         tables = meta.block_tables
+        _broadcast_header(
+            [
+                command,
+                input_ids.shape[0],
+                meta.batch_size,
+                tables.shape[1],
+                meta.max_query_len,
+                meta.max_context_len,
+                meta.block_size,
+            ],
+            self._device,
+        )
+        longs = torch.cat([input_ids, positions, meta.slot_mapping]).to(self._device, torch.int64)
+        ints = torch.cat([meta.query_start_loc, meta.context_lens, tables.reshape(-1)])
+        dist.broadcast(longs, src=0)
+        dist.broadcast(ints.to(self._device, torch.int32), src=0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with self._lock:
-            _broadcast_header(
-                [
-                    _STEP,
-                    input_ids.shape[0],
-                    meta.batch_size,
-                    tables.shape[1],
-                    meta.max_query_len,
-                    meta.max_context_len,
-                    meta.block_size,
-                ],
-                self._device,
-            )
-            longs = torch.cat([input_ids, positions, meta.slot_mapping]).to(self._device, torch.int64)
-            ints = torch.cat([meta.query_start_loc, meta.context_lens, tables.reshape(-1)])
-            dist.broadcast(longs, src=0)
-            dist.broadcast(ints.to(self._device, torch.int32), src=0)
+            self._broadcast_step(_STEP, input_ids, positions)
             return self.model(input_ids, positions)
+
+    def mtp_hidden(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The MTP layer on every rank (it is sharded like a decoder layer): the step's inputs, then the
+        hidden rows it reads (replicated: rank 0 picks them after verifying)."""
+        with self._lock:
+            self._broadcast_step(_MTP_STEP, input_ids, positions)
+            rows = hidden.to(self._device, self.model.model.embed_tokens.weight.dtype).contiguous()
+            dist.broadcast(rows.view(torch.uint8), src=0)  # bytes: gloo has no bfloat16
+            return self.model.mtp_hidden(rows, input_ids, positions)
+
+    def mtp_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.mtp_head(hidden)  # replicated: rank 0 alone
+
+    @property
+    def mtp(self) -> nn.ModuleList:
+        return self.model.mtp
+
+    @property
+    def mtp_unavailable(self) -> str | None:
+        return self.model.mtp_unavailable
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
@@ -204,7 +229,7 @@ def run_worker(model: nn.Module, device: torch.device) -> None:
             dist.broadcast(raw, src=0)
             _write_slot_rows(cache, layer, index, raw.view(cache.dtype))
             continue
-        if command != _STEP:
+        if command not in (_STEP, _MTP_STEP):
             raise RuntimeError(f"unknown tensor-parallel command {command}")
         num_tokens, num_seqs, max_blocks, max_query_len, max_context_len, block_size = header[1:7]
         longs = torch.empty(3 * num_tokens, dtype=torch.int64, device=device)
@@ -222,6 +247,14 @@ def run_worker(model: nn.Module, device: torch.device) -> None:
             max_context_len=max_context_len,
             block_size=block_size,
         )
+        if command == _MTP_STEP:
+            hidden_size = model.config.hidden_size
+            dtype = model.model.embed_tokens.weight.dtype  # the activation dtype rank 0 sends
+            raw = torch.empty(num_tokens, hidden_size * dtype.itemsize, dtype=torch.uint8, device=device)
+            dist.broadcast(raw, src=0)
+            with torch.no_grad(), attention_context(meta):
+                model.mtp_hidden(raw.view(dtype), input_ids, positions)
+            continue
         with torch.no_grad(), attention_context(meta):
             model(input_ids, positions)
 

@@ -72,6 +72,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             MTPLayer(config, n + k, rotary, tp_size) for k in range(config.num_nextn_predict_layers)
         )
 
+    # Why a checkpoint that declares MTP layers serves without them (set by the loader), or None.
+    mtp_unavailable: str | None = None
+
     def attention_layers(self) -> list[nn.Module]:
         """Attention modules in cache-layer order: the decoder layers, then the MTP layers."""
         return [layer.self_attn for layer in self.model.layers] + [m.self_attn for m in self.mtp]
@@ -120,5 +123,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return self.mtp_head(hidden, depth)[1]
+
+    @torch.no_grad()
+    def mtp_head(self, hidden: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared head on MTP hidden states: the normed state (what a chained draft step reads as
+        its hidden input) and fp32 logits."""
         head = self.mtp[depth].shared_head
-        return head.head(head.norm(hidden)).float()
+        normed = head.norm(hidden)
+        return normed, _apply(head.head, normed).float()

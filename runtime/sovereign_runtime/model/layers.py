@@ -184,6 +184,10 @@ class Router(nn.Module):
         )
 
 
+# Up to this many tokens the routed experts run token by token (see MoE.forward).
+_PER_TOKEN_MOE_MAX = 5
+
+
 class MoE(nn.Module):
     """Routed + shared experts. Under tensor parallelism (``tp_size`` > 1) every expert holds its 1/N slice
     of the intermediate dim and the output is this rank's partial sum (the decoder layer reduces it)."""
@@ -203,7 +207,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self._one_token(x, weights, ids) if x.shape[0] == 1 else self._grouped(x, weights, ids)
+        tokens = x.shape[0]
+        if tokens == 1:
+            out = self._one_token(x, weights, ids)
+        elif tokens <= _PER_TOKEN_MOE_MAX:
+            # A verified draft's few rows: token by token skips the grouping's sort, count and scatter.
+            out = torch.cat(
+                [self._one_token(x[t : t + 1], weights[t : t + 1], ids[t : t + 1]) for t in range(tokens)]
+            )
+        else:
+            out = self._grouped(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .fp8 import dequantize_fp8_block, swap_in_fp8_linears
 from .parallel import TensorParallel, shard, shard_dim
+
+log = logging.getLogger("sovereign_runtime.model")
 
 # Tensors that stay fp32 whatever the model dtype (the router decides in fp32, as in the reference).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -106,11 +110,40 @@ def load_model(
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
+    unavailable = None
+    if (
+        missing
+        and all(n.startswith("mtp.") for n in missing)
+        and not any(n.startswith("mtp.") for n in state)
+    ):
+        # What transformers' save_pretrained writes for DeepseekV3ForCausalLM: config.json keeps
+        # num_nextn_predict_layers but no MTP tensor is stored. The model serves; speculation is off.
+        unavailable = (
+            f"config.json declares num_nextn_predict_layers {config.num_nextn_predict_layers} but the"
+            f" checkpoint ships no MTP tensors (model.layers.{config.num_hidden_layers}.*)"
+        )
+        log.warning("%s: %s; serving without speculative decoding", path, unavailable)
+        model.mtp = nn.ModuleList()
+        missing = []
     if missing:
+        mtp = [n for n in missing if n.startswith("mtp.")]
+        if mtp and len(mtp) == len(missing):
+            raise ValueError(
+                f"checkpoint {path} has a partial MTP layer: it lacks {len(mtp)} of its tensors: "
+                + ", ".join(_checkpoint_name(n, config) for n in mtp[:8])
+                + (" ..." if len(mtp) > 8 else "")
+            )
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    model.mtp_unavailable = unavailable
     return model.eval(), config
+
+
+def _checkpoint_name(module_name: str, config: ModelConfig) -> str:
+    """``mtp.{d}.rest`` back to the checkpoint's ``model.layers.{N + d}.rest``."""
+    depth, _, rest = module_name[len("mtp.") :].partition(".")
+    return f"model.layers.{config.num_hidden_layers + int(depth)}.{rest}"
 
 
 def _fp8_slice_is_whole_blocks(model: DeepseekV3ForCausalLM, module: str, config: ModelConfig) -> bool:

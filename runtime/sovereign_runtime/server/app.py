@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..engine.api import EngineStats
 from ..engine.sampling import SamplingParams
 from ..read_deadlines import DeadlineGuard, ReadDeadlines
 from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
@@ -202,6 +203,22 @@ async def _close_runtime(app: web.Application) -> None:
             await result
 
 
+def speculation_report(card: dict[str, Any], stats: EngineStats) -> dict[str, Any]:
+    """``/health/startup``'s view of speculative decoding (the operator reports it per pool): what
+    ``/v1/models`` says, plus the measured acceptance since the process started."""
+    report = dict(card)
+    if card.get("enabled"):
+        report.update(
+            drafting=stats.spec_decode_drafting,
+            verify_steps_total=stats.spec_decode_num_drafts_total,
+            draft_tokens_total=stats.spec_decode_num_draft_tokens_total,
+            accepted_tokens_total=stats.spec_decode_num_accepted_tokens_total,
+            acceptance_rate=round(stats.spec_decode_acceptance_rate, 4),
+            mean_accept_length=round(stats.spec_decode_mean_accept_length, 4),
+        )
+    return report
+
+
 def start_loading(app: web.Application) -> asyncio.Task[None]:
     """Run the loader in a thread, then warm up; call after the server is listening."""
     task = asyncio.get_running_loop().create_task(_startup(app))
@@ -290,6 +307,9 @@ class _Api:
 
     async def startup(self, request: web.Request) -> web.Response:
         snap = self.state.snapshot()
+        rt = self.state.runtime
+        if rt is not None and rt.speculative is not None:
+            snap["speculative_decoding"] = speculation_report(rt.speculative, rt.engine.stats())
         return _json(snap, status=200 if snap["phase"] == "ready" else 503)
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -310,6 +330,8 @@ class _Api:
         }
         if self.state.runtime is not None:
             card["max_model_len"] = self.state.runtime.max_model_len
+            if self.state.runtime.speculative is not None:
+                card["speculative_decoding"] = self.state.runtime.speculative
         return _json({"object": "list", "data": [card]})
 
     # ---- shared request plumbing -------------------------------------------------------------------

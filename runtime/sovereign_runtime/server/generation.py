@@ -26,6 +26,10 @@ class Step:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding, the request's totals so far (engine/speculative.py); 0 when it is off.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -140,10 +144,20 @@ async def run_request(
                 last_token_at = now
             prompt_tokens, completion_tokens = out.prompt_tokens, out.completion_tokens
             cached_tokens = out.cached_tokens
-            text = detok.add(new_ids)
-            if out.finished:
-                text += detok.flush()
-            text = matcher.feed(text)
+            logprobs = out.new_logprobs or []
+            if len(new_ids) > 1 and stops:
+                # Several tokens in one step (a verified draft): match stop strings token by token, so a
+                # stop ends the output at the token that completed it, as one token per step would.
+                text, kept = _feed_until_stop(detok, matcher, new_ids)
+                completion_tokens -= len(new_ids) - kept
+                new_ids, logprobs = new_ids[:kept], logprobs[:kept]
+                if not matcher.stopped and out.finished:
+                    text += matcher.feed(detok.flush())
+            else:
+                text = detok.add(new_ids)
+                if out.finished:
+                    text += detok.flush()
+                text = matcher.feed(text)
             if matcher.stopped:
                 finish = "stop"
             elif out.finished:
@@ -152,11 +166,14 @@ async def run_request(
             step = Step(
                 text=text,
                 token_ids=new_ids,
-                logprobs=out.new_logprobs or [],
+                logprobs=logprobs,
                 finish_reason=finish,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 cached_tokens=cached_tokens,
+                spec_verify_steps=out.spec_verify_steps,
+                spec_draft_tokens=out.spec_draft_tokens,
+                spec_accepted_tokens=out.spec_accepted_tokens,
             )
             yield step
             if finish is not None:
@@ -170,3 +187,18 @@ async def run_request(
         metrics.observe_finish(
             finish or "abort", prompt_tokens, completion_tokens, time.monotonic() - arrival
         )
+
+
+def _feed_until_stop(
+    detok: IncrementalDetokenizer, matcher: StopStringMatcher, token_ids: list[int]
+) -> tuple[str, int]:
+    """Detokenize and stop-match ``token_ids`` one at a time; the text released and how many tokens it
+    took (all, or up to the one that completed a stop string)."""
+    parts: list[str] = []
+    kept = 0
+    for token in token_ids:
+        parts.append(matcher.feed(detok.add([token])))
+        kept += 1
+        if matcher.stopped:
+            break
+    return "".join(parts), kept

@@ -38,6 +38,30 @@ _GAUGES: dict[str, tuple[str, str]] = {
         "prompt_tokens_waiting",
         "Prompt tokens not yet prefilled (queued and partially prefilled).",
     ),
+    "sovereign:spec_decode_requested": (
+        "spec_decode_requested",
+        "1 when the server was started with --speculative-algorithm.",
+    ),
+    "sovereign:spec_decode_enabled": (
+        "spec_decode_enabled",
+        "1 when MTP speculative decoding is in force (0: not requested, or the checkpoint has no MTP layer).",
+    ),
+    "sovereign:spec_decode_drafting": (
+        "spec_decode_drafting",
+        "1 while the last step drafted (0 while the running batch is above --speculative-max-batch-size).",
+    ),
+    "sovereign:spec_decode_num_draft_tokens": (
+        "spec_decode_num_draft_tokens",
+        "Draft tokens proposed per step (--speculative-num-draft-tokens).",
+    ),
+    "sovereign:spec_decode_acceptance_rate": (
+        "spec_decode_acceptance_rate",
+        "Accepted / proposed draft tokens since start.",
+    ),
+    "sovereign:spec_decode_mean_accept_length": (
+        "spec_decode_mean_accept_length",
+        "Tokens gained per verify step since start, the verified token included (1 + accepted / drafts).",
+    ),
 }
 _COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:prefix_cache_queries": (
@@ -45,6 +69,18 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Prompt tokens looked up in the radix prefix cache.",
     ),
     "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the radix prefix cache."),
+    "sovereign:spec_decode_num_drafts_total": (
+        "spec_decode_num_drafts_total",
+        "Sequence-steps that verified a draft.",
+    ),
+    "sovereign:spec_decode_num_draft_tokens_total": (
+        "spec_decode_num_draft_tokens_total",
+        "Draft tokens proposed by the MTP layer and verified.",
+    ),
+    "sovereign:spec_decode_num_accepted_tokens_total": (
+        "spec_decode_num_accepted_tokens_total",
+        "Draft tokens the model accepted.",
+    ),
     "sovereign:nonfinite_logits_total": (
         "nonfinite_logits_total",
         "Requests ended with an error because their logits were not finite (NaN or infinity).",

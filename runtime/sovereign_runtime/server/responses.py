@@ -48,12 +48,24 @@ def usage(finals: Iterable[Step]) -> dict[str, Any]:
     steps = list(finals)
     prompt = sum(s.prompt_tokens for s in steps)
     completion = sum(s.completion_tokens for s in steps)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in steps)},
     }
+    verify = sum(s.spec_verify_steps for s in steps)
+    if verify:
+        # Speculative decoding (an extension): draft tokens verified and kept, and tokens per verify
+        # step (SGLang's accept length; 1.0 when no draft token was kept).
+        accepted = sum(s.spec_accepted_tokens for s in steps)
+        body["speculative_decoding"] = {
+            "draft_tokens": sum(s.spec_draft_tokens for s in steps),
+            "accepted_tokens": accepted,
+            "verify_steps": verify,
+            "accept_length": round(1.0 + accepted / verify, 4),
+        }
+    return body
 
 
 def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:

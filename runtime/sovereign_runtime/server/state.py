@@ -45,6 +45,9 @@ class LoadedRuntime:
     # ``failing_check``, ``reason``, ``checks``), and whether real requests saturate the engine now.
     self_test: Callable[[], Awaitable[dict[str, Any]]] | None = None
     saturated: Callable[[], bool] | None = None
+    # Speculative decoding as served, for /v1/models: ``enabled`` and, when asked for, the algorithm,
+    # draft length and, where the checkpoint cannot, the ``reason``.
+    speculative: dict[str, Any] | None = None
 
 
 Loader = Callable[[ProgressFn], LoadedRuntime]
