@@ -44,7 +44,7 @@ def mid_prompts(n: int) -> tuple[Path, list[list[int]]]:
     sys.path.insert(0, str(ROOT / "bench"))
     from vllm_peer import mid_checkpoint
 
-    path = mid_checkpoint()
+    path = mid_checkpoint(mtp=True)
     gen = torch.Generator().manual_seed(0)
     return path, [torch.randint(3, 1000, (48,), generator=gen).tolist() for _ in range(n)]
 

@@ -187,16 +187,17 @@ MID_SHAPE: dict[str, Any] = {
 }
 
 
-def mid_checkpoint() -> Path:
-    """The mid-size random checkpoint (seed 0) with a word-level tokenizer of its vocabulary, made once."""
-    path = ROOT / ".bench" / "checkpoints" / "mid"
+def mid_checkpoint(mtp: bool = False) -> Path:
+    """The mid-size random checkpoint (seed 0) with a word-level tokenizer of its vocabulary, made once;
+    ``mtp``: with a (random) MTP layer, for bench/speculative.py."""
+    path = ROOT / ".bench" / "checkpoints" / ("mid-mtp" if mtp else "mid")
     if (path / "tokenizer.json").exists():
         return path
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
     from checkpoints import write_tiny_checkpoint
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    write_tiny_checkpoint(path, mtp=False, **MID_SHAPE)
+    write_tiny_checkpoint(path, mtp=mtp, **MID_SHAPE)
     config = json.loads((path / "config.json").read_text())
     # vLLM reads the routing method from config.json (transformers' save_pretrained leaves these out).
     config.update(topk_method="noaux_tc", scoring_func="sigmoid", eos_token_id=1, bos_token_id=0)

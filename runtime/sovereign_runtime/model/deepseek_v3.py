@@ -38,7 +38,7 @@ class MTPLayer(DecoderLayer):
         self, token_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Hidden states of this depth (before the shared head); the embedding half comes first."""
-        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
+        x = _apply(self.eh_proj, torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
         return super().forward(x, positions)
 
 

@@ -210,8 +210,9 @@ class MoE(nn.Module):
         tokens = x.shape[0]
         if tokens == 1:
             out = self._one_token(x, weights, ids)
-        elif tokens <= _PER_TOKEN_MOE_MAX:
-            # A verified draft's few rows: token by token skips the grouping's sort, count and scatter.
+        elif tokens <= _PER_TOKEN_MOE_MAX and not x.is_cuda:
+            # A verified draft's few rows on CPU: token by token skips the grouping's sort, count and
+            # scatter (on CUDA each token's expert ids would cost a device sync).
             out = torch.cat(
                 [self._one_token(x[t : t + 1], weights[t : t + 1], ids[t : t + 1]) for t in range(tokens)]
             )
