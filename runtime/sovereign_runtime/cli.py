@@ -43,36 +43,25 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (no upper bound without ``high``)."""
+    wanted = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _draft_tokens(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer in [1, {MAX_DRAFT_TOKENS}], got {text!r}"
-        ) from None
-    if not 1 <= value <= MAX_DRAFT_TOKENS:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DRAFT_TOKENS}], got {value}")
-    return value
+_positive_int = _int_in(1)
+_non_negative_int = _int_in(0)
+_draft_tokens = _int_in(1, MAX_DRAFT_TOKENS)
 
 
 def _positive_float(text: str) -> float:

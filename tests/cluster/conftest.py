@@ -92,8 +92,17 @@ def kube() -> Kubectl:
     kubectl.local = kubectl.kubeconfig.resolve() == local_kubeconfig().resolve()
     # Large CRDs exceed the client-side apply annotation limit: apply server-side.
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
-    kubectl.run("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    return kubectl
+    # Right after a create the CRD may have no status.conditions at all, which `kubectl wait` reports as
+    # an error rather than waiting: retry until the apiserver has written them.
+    deadline = time.monotonic() + 60
+    while True:
+        waited = kubectl.run(
+            "wait", "--for=condition=Established", "crd", "--all", "--timeout=60s", check=False
+        )
+        if waited.returncode == 0:
+            return kubectl
+        assert time.monotonic() < deadline, f"CRDs not Established: {waited.stderr.strip()}"
+        time.sleep(0.5)
 
 
 @contextmanager

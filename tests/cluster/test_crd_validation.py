@@ -215,6 +215,30 @@ CASES = [
         cel=True,
     ),
     Case(
+        "speculative-draft-tokens-max",
+        patched(GPU_SPEC, "decode.speculative", {"numDraftTokens": 5}),
+        "spec.decode.speculative.numDraftTokens",
+        "should be less than or equal to 4",
+    ),
+    Case(
+        "speculative-not-on-prefill",
+        patched(GPU_SPEC, "prefill.speculative", {"numDraftTokens": 1}),
+        "spec",
+        "speculative decoding drafts while decoding: set it on decode",
+        cel=True,
+    ),
+    Case(
+        "speculative-flags-once",
+        patched(
+            patched(GPU_SPEC, "decode.speculative", {"algorithm": "mtp"}),
+            "runtime.args",
+            ["--speculative-algorithm", "mtp"],
+        ),
+        "spec",
+        "decode.speculative renders the --speculative-* flags",
+        cel=True,
+    ),
+    Case(
         "restart-backoff-le-cap",
         patched(CPU_SPEC, "remediation", {"restartBackoffSeconds": 600, "maxRestartBackoffSeconds": 300}),
         "spec.remediation",

@@ -84,15 +84,16 @@ class FakeKube:
             raise FakeApiError(409)
         self.status_writes.append(patch)
         status = self.body.setdefault("status", {})
-        _merge(status, json.loads(json.dumps(patch)))
+        merge_patch(status, json.loads(json.dumps(patch)))
 
 
-def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """Apply a JSON merge patch (RFC 7386) to ``target`` in place."""
     for key, value in patch.items():
         if value is None:
             target.pop(key, None)
         elif isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge(target[key], value)
+            merge_patch(target[key], value)
         else:
             target[key] = value
 

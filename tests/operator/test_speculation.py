@@ -6,6 +6,7 @@ import asyncio
 import copy
 from typing import Any
 
+from operator_fakes import merge_patch
 from sovereign_operator.outputhealth import OutputReport
 from sovereign_operator.speculation import (
     IN_FORCE,
@@ -68,17 +69,7 @@ class MergingKube(FakeKube):
         self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None
     ) -> None:
         self.writes.append(copy.deepcopy(patch))
-        _merge(self.body.setdefault("status", {}), patch)
-
-
-def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge(target[key], value)
-        else:
-            target[key] = copy.deepcopy(value)
+        merge_patch(self.body.setdefault("status", {}), copy.deepcopy(patch))
 
 
 def test_the_monitor_writes_the_condition_and_summary_once_and_clears_them() -> None:
