@@ -178,3 +178,24 @@ def test_a_checkpoint_without_mtp_tensors_serves_and_says_why_speculation_is_off
         )
     finally:
         instance.close()
+
+
+def test_inter_token_latency_counts_tokens_not_steps(pools: dict[str, Any]) -> None:
+    # The autoscaler's ITL signal: a verify step that returns k tokens counts k gaps, so a pool whose
+    # drafts are accepted is not read as one producing fewer, slower tokens.
+    def itl_count(instance: Instance) -> float:
+        _, text = instance.server.request("GET", "/metrics")
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:inter_token_latency_seconds_count")
+        )
+
+    before = {name: itl_count(pools[name]) for name in ("plain", "spec")}
+    tokens = {name: 0 for name in before}
+    for prompt in QUESTIONS[:2]:
+        for name in before:
+            tokens[name] += chat(pools[name], prompt)["usage"]["completion_tokens"]
+    assert tokens["spec"] == tokens["plain"]
+    gaps = {name: itl_count(pools[name]) - before[name] for name in before}
+    assert gaps["spec"] == gaps["plain"] == tokens["plain"] - 2  # one gap per token after each first
