@@ -61,7 +61,7 @@ def condition_fields(component: str, summary: Mapping[str, Any]) -> tuple[str, s
         return (
             "Unknown",
             NOT_REPORTED,
-            f"{component} asks for MTP speculative decoding; no pod has reported yet",
+            f"{component} asks for MTP speculative decoding; no pod has reported it so far",
         )
     measured = ""
     if "acceptanceRate" in summary:

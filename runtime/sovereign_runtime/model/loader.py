@@ -129,7 +129,7 @@ def load_model(
         mtp = [n for n in missing if n.startswith("mtp.")]
         if mtp and len(mtp) == len(missing):
             raise ValueError(
-                f"checkpoint {path} has a partial MTP layer: it lacks {len(mtp)} of its tensors: "
+                f"checkpoint {path} has a partial MTP layer: {len(mtp)} of its tensors are missing: "
                 + ", ".join(_checkpoint_name(n, config) for n in mtp[:8])
                 + (" ..." if len(mtp) > 8 else "")
             )
