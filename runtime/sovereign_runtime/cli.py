@@ -325,6 +325,11 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
             if value is not None:
                 raise UsageError(f"serve: {flag} needs --speculative-algorithm mtp")
         return None
+    if args.role == "prefill":
+        raise UsageError(
+            "serve: --speculative-algorithm: a prefill instance never decodes; speculative decoding belongs"
+            " on the decode (or unified) role"
+        )
     config = SpeculativeConfig(algorithm=args.speculative_algorithm)
     if args.speculative_num_draft_tokens is not None:
         config.num_draft_tokens = args.speculative_num_draft_tokens

@@ -101,6 +101,7 @@ def test_api_key_file_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.Ca
         (["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "5"], "[1, 4]"),
         (["--speculative-algorithm", "eagle"], "--speculative-algorithm"),
         (["--speculative-algorithm", "mtp", "--speculative-max-batch-size", "-1"], ">= 0"),
+        (["--speculative-algorithm", "mtp", "--role", "prefill"], "a prefill instance never decodes"),
     ],
 )
 def test_bad_speculative_flags_exit_2_naming_the_flag(
