@@ -1,4 +1,5 @@
-"""`sovereign-runtime`: `serve` (the OpenAI server), `router` (the PD-aware router), `bench` (later).
+"""`sovereign-runtime`: `serve` (the OpenAI server), `router` (the PD-aware router), `download` (a
+model from a Hugging Face hub into a cache directory).
 
 Each subcommand registers its flags with ``add_<name>_arguments`` and runs with ``run_<name>``; a new
 subcommand is one entry in ``_SUBCOMMANDS``. Usage errors print one line and exit 2. ``serve`` wires the
@@ -25,6 +26,7 @@ from .engine.repetition import check_window
 from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, SpeculativeConfig
 from .engine.tensor_parallel import spawn_workers
 from .model.faults import FaultSpec
+from .modelhub import cli as download_cli
 from .read_deadlines import add_read_deadline_flags, read_deadlines
 from .router import cli as router_cli
 from .server import ServerConfig, create_app, serve
@@ -439,6 +441,11 @@ _SUBCOMMANDS: dict[
 ] = {
     "serve": ("run the OpenAI-compatible server for one model", add_serve_arguments, run_serve),
     "router": ("run the PD-aware router in front of workers", router_cli.add_router_arguments, run_router),
+    "download": (
+        "download a Hugging Face repo revision into a cache directory (resumable, verified)",
+        download_cli.add_download_arguments,
+        download_cli.run_download,
+    ),
 }
 
 
