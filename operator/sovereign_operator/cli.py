@@ -12,9 +12,11 @@ import yaml
 from sovereign_operator import yamlio
 from sovereign_operator.api import custom_resource_definition
 from sovereign_operator.api.document import InvalidDeployment, check_namespace, parse_document
+from sovereign_operator.api.spec import HuggingFaceSource
 from sovereign_operator.leadership import LeaseTiming
 from sovereign_operator.main import LeaderElection, run_operator
 from sovereign_operator.render import ClusterFacts, DeploymentRef, OperatorDefaults, render
+from sovereign_operator.render.modelcache import ModelFacts, Resolved, Serving, cache_claim_name, endpoint_of
 
 # Offline rendering has no real owner; apply with `--uid` set to the object's metadata.uid.
 OFFLINE_UID = "00000000-0000-0000-0000-000000000000"
@@ -71,10 +73,52 @@ def _cmd_render(args: argparse.Namespace) -> int:
             uid=args.uid or parsed.uid or OFFLINE_UID,
             generation=parsed.generation,
         )
-        result = render(ref, parsed.spec, ClusterFacts(frozenset(advertised)), defaults=defaults)
-        rendered += result.children
+        model = None
+        source = parsed.spec.model.source.hugging_face
+        if source is not None and args.resolve_models:
+            try:
+                model = _resolved_model(source, defaults.hf_endpoint)
+            except RuntimeError as error:
+                print(
+                    f"error: {args.file}: {parsed.name}: spec.model.source.huggingFace: {error}",
+                    file=sys.stderr,
+                )
+                return 1
+        elif source is not None:
+            print(
+                f"note: {parsed.name}: the cache claim, its download Job and the pools follow once the resolve"
+                " Job has found the commit; --resolve-models asks the hub now and shows them",
+                file=sys.stderr,
+            )
+        result = render(ref, parsed.spec, ClusterFacts(frozenset(advertised)), defaults=defaults, model=model)
+        rendered += result.children + result.shared
     sys.stdout.write(yamlio.dump_all(rendered))
     return 0
+
+
+def _resolved_model(source: HuggingFaceSource, default_endpoint: str) -> ModelFacts:
+    """Ask the hub, as the resolve Job would, with this shell's $HF_TOKEN; rendered as if downloaded."""
+    try:
+        from sovereign_runtime.modelhub import classify, resolve
+    except ImportError as error:
+        raise RuntimeError(
+            f"--resolve-models needs huggingface_hub (pip install 'sovereign[runtime]'): {error}"
+        ) from None
+    try:
+        found = resolve(
+            source.repo,
+            source.revision,
+            endpoint=endpoint_of(source, default_endpoint),
+            token=os.environ.get("HF_TOKEN") or None,
+            allow_patterns=source.allow_patterns or None,
+            ignore_patterns=source.ignore_patterns or None,
+        )
+    except Exception as error:
+        failure = classify(error)
+        raise RuntimeError(f"{failure.reason}: {failure.message}") from None
+    resolved = Resolved(found.commit, found.total_bytes, len(found.files))
+    serving = Serving(found.commit, cache_claim_name(source, found.commit), found.total_bytes)
+    return ModelFacts(resolved=resolved, complete=True, serving=serving)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -125,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rend.add_argument("--namespace", help="namespace of the children (default: the document's or default)")
     rend.add_argument("--uid", help=f"owner uid for ownerReferences (default: {OFFLINE_UID})")
+    rend.add_argument(
+        "--resolve-models",
+        action="store_true",
+        help="ask the hub (the source's endpoint, $HF_TOKEN) what huggingFace revisions resolve to, and"
+        " render their cache claim, download Job and pools as they will be",
+    )
     rend.set_defaults(func=_cmd_render)
 
     run = commands.add_parser("run", help="run the operator against the cluster of KUBECONFIG/in-cluster")

@@ -25,6 +25,7 @@ from sovereign_operator import metrics
 from sovereign_operator.api.crd import GROUP, PLURAL, VERSION
 from sovereign_operator.autoscale.controller import AutoscaleController
 from sovereign_operator.autoscale.exporter import AutoscalerMetrics
+from sovereign_operator.downloadmonitor import DownloadMonitor
 from sovereign_operator.events import EventPoster
 from sovereign_operator.kube import Kube
 from sovereign_operator.kvmonitor import KVHealthMonitor
@@ -92,7 +93,9 @@ def assemble(
     def bodies() -> Iterator[Mapping[str, Any]]:
         return (body for store in served.values() for body in store)
 
-    loop = OperatorLoop(bodies, autoscaler, monitor, output_monitor=output)
+    loop = OperatorLoop(
+        bodies, autoscaler, monitor, output_monitor=output, download_monitor=DownloadMonitor(reconcile)
+    )
     STATE.kube, STATE.events, STATE.reconciler, STATE.loop = kube, events, reconciler, loop
     return events, loop
 

@@ -12,24 +12,33 @@ from typing import Any
 from lightkube import ApiError, AsyncClient, codecs
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import Node, Pod, Service
+from lightkube.resources.batch_v1 import Job
+from lightkube.resources.core_v1 import Node, PersistentVolumeClaim, Pod, Service
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.policy_v1 import PodDisruptionBudget
-from lightkube.types import PatchType
+from lightkube.types import CascadeType, PatchType
 
 from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
+from sovereign_operator.modeldownload import JOB_NAME_LABEL, JobView
 from sovereign_operator.observe import Observed
+from sovereign_operator.render.modelcache import SHARED_COMPONENTS
 from sovereign_operator.vocabulary import COMPONENT_LABEL, MANAGED_BY, owned_labels
 
 FIELD_MANAGER = MANAGED_BY
 
 LLMDeploymentResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+# Lines of a download pod's log read for its latest progress line (it writes one every 10 s).
+LOG_TAIL_LINES = 20
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
 _PRUNABLE = (StatefulSet, Service, PodDisruptionBudget, NetworkPolicy)
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
     return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+
+
+def shared_field_manager(owner_uid: str) -> str:
+    return f"{FIELD_MANAGER}-{owner_uid}"
 
 
 class Kube:
@@ -49,6 +58,85 @@ class Kube:
     async def apply(self, child: dict[str, Any]) -> None:
         self._write_fence()
         await self.client.apply(codecs.from_dict(child), field_manager=FIELD_MANAGER, force=True)
+
+    async def apply_shared(self, child: dict[str, Any], owner_uid: str) -> None:
+        """Apply an object several LLMDeployments share (a model cache) under this owner's own field
+        manager, so each keeps its own owner reference and none removes another's."""
+        self._write_fence()
+        await self.client.apply(
+            codecs.from_dict(child), field_manager=shared_field_manager(owner_uid), force=True
+        )
+
+    async def release_shared(self, namespace: str, owner_uid: str, keep: set[tuple[str, str]]) -> list[str]:
+        """Drop this owner's reference from shared objects it no longer renders; delete the ones it
+        was the last owner of (a `Retain` cache claim has no owners and is never touched)."""
+        released = []
+        for kind in (Job, PersistentVolumeClaim):
+            async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels()):
+                meta = obj.metadata
+                if (meta.labels or {}).get(COMPONENT_LABEL) not in SHARED_COMPONENTS:
+                    continue
+                refs = meta.ownerReferences or []
+                mine = [i for i, ref in enumerate(refs) if ref.uid == owner_uid]
+                if not mine or (kind.__name__, meta.name) in keep:
+                    continue
+                self._write_fence()
+                if len(mine) == len(refs):
+                    await self._delete_gone_ok(kind, meta.name, namespace)
+                else:
+                    ops: list[dict[str, Any]] = []
+                    for index in reversed(mine):
+                        path = f"/metadata/ownerReferences/{index}"
+                        ops += [
+                            {"op": "test", "path": f"{path}/uid", "value": owner_uid},
+                            {"op": "remove", "path": path},
+                        ]
+                    await self.client.patch(
+                        kind, meta.name, ops, namespace=namespace, patch_type=PatchType.JSON
+                    )
+                released.append(f"{kind.__name__}/{meta.name}")
+        return released
+
+    async def _delete_gone_ok(self, kind: Any, name: str, namespace: str) -> None:
+        try:
+            # Jobs orphan their pods unless told otherwise.
+            await self.client.delete(kind, name, namespace=namespace, cascade=CascadeType.BACKGROUND)
+        except ApiError as error:
+            if error.status.code != 404:
+                raise
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        self._write_fence()
+        await self._delete_gone_ok(Job, name, namespace)
+
+    async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView:
+        """A Job, its pods, and (with `log_container`) the tail of its running pod's log. An
+        unreadable log is no error: progress figures just wait for the next read."""
+        try:
+            job: dict[str, Any] | None = _as_dict(await self.client.get(Job, name, namespace=namespace))
+        except ApiError as error:
+            if error.status.code != 404:
+                raise
+            job = None
+        pods = [
+            _as_dict(p)
+            async for p in self.client.list(Pod, namespace=namespace, labels={JOB_NAME_LABEL: name})
+        ]
+        lines: list[str] = []
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        if log_container and running:
+            newest = max(running, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+            try:
+                async for line in self.client.log(
+                    newest["metadata"]["name"],
+                    namespace=namespace,
+                    container=log_container,
+                    tail_lines=LOG_TAIL_LINES,
+                ):
+                    lines.append(line)
+            except Exception:  # no kubelet behind the pod (a fake node), a restart, a network blip
+                lines = []
+        return JobView(job=job, pods=pods, log_lines=lines)
 
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]

@@ -7,7 +7,8 @@ previous round is still running is skipped. The autoscaler skips rounds until th
 `spec.autoscaling.intervalSeconds` has passed, so the interval is per object; the KV-health monitor
 reads the prefill and decode pods' `/health/kv` every KV_INTERVAL_S and keeps `KVTransferHealthy`;
 the output-health monitor reads every worker pod's `/health/startup` (its self-test) every
-OUTPUT_INTERVAL_S, keeps `OutputHealthy` and, when the spec allows, restarts a failing pod.
+OUTPUT_INTERVAL_S, keeps `OutputHealthy` and, when the spec allows, restarts a failing pod; the
+download monitor reconciles a huggingFace source every DOWNLOAD_INTERVAL_S while its download runs.
 
 Not a `@kopf.timer`: kopf puts a finalizer on every object a timer serves, and a namespace-restricted
 kopf stops serving a namespace marked for deletion before releasing those finalizers, so deleting
@@ -24,6 +25,7 @@ from typing import Any
 
 from sovereign_operator.autoscale import AutoscalerConfig
 from sovereign_operator.autoscale.controller import AutoscaleController
+from sovereign_operator.downloadmonitor import DownloadMonitor
 from sovereign_operator.kvmonitor import KVHealthMonitor
 from sovereign_operator.outputmonitor import OutputHealthMonitor
 
@@ -50,6 +52,7 @@ class OperatorLoop:
         kv_monitor: KVHealthMonitor,
         *,
         output_monitor: OutputHealthMonitor | None = None,
+        download_monitor: DownloadMonitor | None = None,
         tick_s: float = TICK_SECONDS,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -57,6 +60,7 @@ class OperatorLoop:
         self.autoscaler = autoscaler
         self.kv_monitor = kv_monitor
         self.output_monitor = output_monitor
+        self.download_monitor = download_monitor
         self.tick_s = tick_s
         self.log = logger or logging.getLogger(__name__)
         self.rounds: dict[Key, asyncio.Task[None]] = {}
@@ -102,6 +106,8 @@ class OperatorLoop:
             self.kv_monitor.forget(*key)
             if self.output_monitor is not None:
                 self.output_monitor.forget(*key)
+            if self.download_monitor is not None:
+                self.download_monitor.forget(*key)
 
     async def _isolated(self, key: Key, body: Mapping[str, Any]) -> None:
         try:
@@ -113,6 +119,11 @@ class OperatorLoop:
         """One object's round: output health and KV health when due, autoscaling when its interval
         has passed (after output health, so it sees which pods fail their self-test). A failed part
         is skipped until the next round, never retried in a hot loop."""
+        if self.download_monitor is not None and self.download_monitor.due(namespace, name, body):
+            try:
+                await self.download_monitor.tick(namespace, name, body)
+            except Exception as error:
+                self.log.warning("model download round for %s/%s failed: %s", namespace, name, error)
         if self.output_monitor is not None and self.output_monitor.due(namespace, name):
             try:
                 await self.output_monitor.tick(namespace, name, body)

@@ -10,11 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sovereign_operator import vocabulary
-from sovereign_operator.api.status import Condition, LLMDeploymentStatus, PoolsStatus, PoolStatus
+from sovereign_operator.api.status import (
+    Condition,
+    LLMDeploymentStatus,
+    ModelStatus,
+    PoolsStatus,
+    PoolStatus,
+)
 from sovereign_operator.render import Rendered
 from sovereign_operator.vocabulary import (
     DEGRADED,
     KV_TRANSFER_HEALTHY,
+    MODEL_DOWNLOADED,
     OUTPUT_HEALTHY,
     PROGRESSING,
     READY,
@@ -121,8 +128,10 @@ def compute_status(
     previous: LLMDeploymentStatus | None,
     now: str,
     problem: Problem | None = None,
+    model: ModelStatus | None = None,
 ) -> LLMDeploymentStatus:
-    """The status the operator wants the object to have; `now` is an RFC 3339 timestamp."""
+    """The status the operator wants the object to have; `now` is an RFC 3339 timestamp. `model` is
+    a huggingFace source's download as last observed (modeldownload.py)."""
     before = previous or LLMDeploymentStatus()
     conditions = before.conditions
 
@@ -166,8 +175,17 @@ def compute_status(
         kv_failing = None
     # Written by the output-health monitor from the pods' self-tests.
     output_failing = next((c for c in conditions if c.type == OUTPUT_HEALTHY and c.status == "False"), None)
+    model_failing = model is not None and model.phase in ("Retrying", "Failed")
     if problem is not None:
         degraded = cond(DEGRADED, "True", problem.reason, problem.message)
+    elif model is not None and model_failing:
+        degraded = cond(
+            DEGRADED,
+            "True",
+            model.reason or "DownloadFailed",
+            f"downloading {model.repo}@{model.revision} failed: {model.message}"
+            + (" (retried with backoff)" if model.phase == "Retrying" else ""),
+        )
     elif pod_problems:
         reason, message = pod_problems[0]
         if len(pod_problems) > 1:
@@ -185,11 +203,30 @@ def compute_status(
     else:
         degraded = cond(DEGRADED, "False", "AsExpected", "no problems observed")
 
-    if all_ready:
+    waiting = rendered.waiting_for_model and model is not None
+    if all_ready and not waiting:
         ready = cond(READY, "True", "AllReplicasReady", f"{summary}; serving at {rendered.endpoint}")
+    elif waiting:
+        assert model is not None
+        ready = cond(
+            READY,
+            "False",
+            "ModelNotDownloaded",
+            f"the pools start once the model is downloaded ({model.progress})",
+        )
     else:
         ready = cond(READY, "False", "ReplicasNotReady", f"{summary}")
-    if rolling:
+    downloading = model is not None and model.phase != "Complete"
+    if downloading and model is not None and model.phase == "Failed":
+        progressing = cond(
+            PROGRESSING, "False", model.reason or "DownloadFailed", model.message or model.progress
+        )
+    elif downloading and model is not None:
+        message = f"{model.repo}@{model.revision}: {model.progress}"
+        if model.serving is not None:
+            message += f"; the pools serve commit {model.serving.commit[:12]} until it is complete"
+        progressing = cond(PROGRESSING, "True", "DownloadingModel", message)
+    elif rolling:
         progressing = cond(
             PROGRESSING,
             "True",
@@ -205,10 +242,13 @@ def compute_status(
     def ratio(pool: PoolStatus | None) -> str | None:
         return None if pool is None else f"{pool.ready_replicas}/{pool.desired_replicas}"
 
+    conditions = [ready, progressing, degraded]
+    if model is not None:
+        conditions.append(_model_condition(cond, model))
     decode_column = pools.get("decode") or pools.get("unified")
     return LLMDeploymentStatus(
         observed_generation=generation,
-        conditions=[ready, progressing, degraded],
+        conditions=conditions,
         mode=rendered.plan.mode,
         mode_reason=rendered.plan.reason,
         kv_transport=rendered.plan.kv_transport,
@@ -218,6 +258,29 @@ def compute_status(
         pools=PoolsStatus(**pools),
         prefill_replicas=ratio(pools.get("prefill")),
         decode_replicas=ratio(decode_column),
+        model=model,
+    )
+
+
+def _model_condition(cond: Any, model: ModelStatus) -> Condition:
+    """ModelDownloaded: True once the commit is in its cache and verified; else why not yet."""
+    if model.phase == "Complete":
+        size = (model.bytes_total or 0) / 2**30
+        return cond(
+            MODEL_DOWNLOADED,
+            "True",
+            "Downloaded",
+            f"{model.repo}@{(model.commit or '')[:12]} is in {model.cache} ({size:.1f} GiB, {model.files} files, verified)",
+        )
+    if model.reason:
+        return cond(MODEL_DOWNLOADED, "False", model.reason, model.message or model.progress)
+    what = f"{model.repo}@{model.revision}"
+    if model.phase == "Resolving":
+        return cond(
+            MODEL_DOWNLOADED, "False", "Resolving", f"asking the hub what {what} is (the resolve Job)"
+        )
+    return cond(
+        MODEL_DOWNLOADED, "False", "Downloading", f"{what} at {(model.commit or '')[:12]}: {model.progress}"
     )
 
 
@@ -254,6 +317,20 @@ def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -
         patch[key] = None
     for pool in set(current.get("pools") or {}) - set(want.get("pools") or {}):
         patch.setdefault("pools", {})[pool] = None
+    if isinstance(want.get("model"), dict) and isinstance(current.get("model"), dict):
+        # One writer owns status.model whole: fields it no longer sets (a cleared failure) go.
+        patch["model"] = _replacing(current["model"], want["model"])
+    return patch
+
+
+def _replacing(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch turning `old` into exactly `new`: keys `new` lacks are set to null."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            patch[key] = _replacing(old[key], value)
+        else:
+            patch[key] = value
     return patch
 
 

@@ -18,15 +18,24 @@ from typing import Any, Protocol
 
 from sovereign_operator import metrics
 from sovereign_operator.api.document import InvalidDeployment, check_name, parse_spec
-from sovereign_operator.api.status import LLMDeploymentStatus
+from sovereign_operator.api.spec import LLMDeploymentSpec
+from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus
+from sovereign_operator.modeldownload import JobView, assess, facts_from_status
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
-from sovereign_operator.render.plan import OperatorDefaults, sticky_plan
+from sovereign_operator.render.modelcache import CONTAINER, ModelFacts, cache_objects
+from sovereign_operator.render.plan import OperatorDefaults, sticky_plan, with_operator_defaults
 from sovereign_operator.vocabulary import now_rfc3339
 
 
 class KubeApi(Protocol):
     async def apply(self, child: dict[str, Any]) -> None: ...
+    async def apply_shared(self, child: dict[str, Any], owner_uid: str) -> None: ...
+    async def release_shared(
+        self, namespace: str, owner_uid: str, keep: set[tuple[str, str]]
+    ) -> list[str]: ...
+    async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView: ...
+    async def delete_job(self, namespace: str, name: str) -> None: ...
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]: ...
@@ -55,6 +64,8 @@ class Outcome:
     rendered: Rendered | None
     problem: Problem | None
     digest: str | None
+    # A huggingFace source's download as last observed (status.model).
+    model: ModelStatus | None = None
 
 
 def replica_overrides(status: Mapping[str, Any] | None) -> dict[str, int]:
@@ -141,11 +152,15 @@ class Reconciler:
         # that changes one child) sends only what differs. A forced reconcile sends everything.
         self._applied: dict[tuple[str, str, str], str] = {}
         self._refresh_waiting: set[tuple[str, str]] = set()
+        # The same for shared objects (model caches), per deployment: each applies its own owner reference.
+        self._applied_shared: dict[tuple[str, str, str, str], str] = {}
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
 
     def forget(self, namespace: str, name: str) -> None:
+        for key in [k for k in self._applied_shared if k[:2] == (namespace, name)]:
+            del self._applied_shared[key]
         self.outcomes.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
         owned = f"{name}-"
@@ -209,10 +224,19 @@ class Reconciler:
                 facts = ClusterFacts(await self.kube.advertised_resources())
             except Exception as error:
                 raise self._classify(error, "listing nodes", retry) from error
-        rendered = render(ref, spec, facts, replica_overrides(status), decided, self.defaults)
-        digest = _digest(rendered.children)
+        model_facts, model_status = None, None
+        if spec.model.source.hugging_face is not None:
+            try:
+                model_facts, model_status = await self._assess_model(ref, spec, status)
+            except Exception as error:
+                raise self._classify(error, "reading the model download Jobs", retry) from error
+        rendered = render(
+            ref, spec, facts, replica_overrides(status), decided, self.defaults, model=model_facts
+        )
+        digest = _digest(rendered.children + rendered.shared + [sorted(rendered.keep_shared)])
         previous = self.outcomes.get(key)
         if not force and previous is not None and previous.digest == digest and previous.problem is None:
+            previous.model = model_status  # progress moves while the children stay the same
             metrics.RECONCILES.labels("unchanged").inc()
             return previous
 
@@ -229,24 +253,64 @@ class Reconciler:
                     await self.kube.apply(child)
                     self._applied[child_key] = child_digest
                     metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
+                for child in rendered.shared:
+                    writing = _child_ref(child)
+                    shared_key = (ref.namespace, ref.name, child["kind"], child["metadata"]["name"])
+                    child_digest = _digest([child])
+                    if not force and self._applied_shared.get(shared_key) == child_digest:
+                        continue
+                    self._applied_shared.pop(shared_key, None)
+                    await self.kube.apply_shared(child, ref.uid)
+                    self._applied_shared[shared_key] = child_digest
+                    metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
                 writing = "children of an earlier mode (prune)"
                 keep = {(c["kind"], c["metadata"]["name"]) for c in rendered.children}
                 await self.kube.prune(ref.namespace, ref.name, ref.uid, keep)
+                if rendered.shared or (status or {}).get("model"):
+                    # A huggingFace source now or before: drop the caches it stopped using.
+                    writing = "model caches no longer used (release)"
+                    in_use = {(c["kind"], c["metadata"]["name"]) for c in rendered.shared}
+                    released = await self.kube.release_shared(
+                        ref.namespace, ref.uid, in_use | set(rendered.keep_shared)
+                    )
+                    for gone in released:
+                        kind, _, name = gone.partition("/")
+                        self._applied_shared.pop((ref.namespace, ref.name, kind, name), None)
         except Exception as error:
             problem, retryable = apply_problem(_api_error_code(error), writing, _api_error_message(error))
             if problem is not None:
                 # Named in status and an Event; other deployments keep reconciling meanwhile.
                 self.report_problem(body, problem)
-                self.outcomes[key] = Outcome(generation, rendered, problem, None)
+                self.outcomes[key] = Outcome(generation, rendered, problem, None, model_status)
             if not retryable:
                 metrics.RECONCILES.labels("failed").inc()
                 return self.outcomes[key]
             raise self._classify(error, f"applying {writing}", retry) from error
 
         metrics.RECONCILES.labels("applied").inc()
-        outcome = Outcome(generation, rendered, None, digest)
+        outcome = Outcome(generation, rendered, None, digest, model_status)
         self.outcomes[key] = outcome
         return outcome
+
+    async def _assess_model(
+        self, ref: DeploymentRef, spec: LLMDeploymentSpec, status: Mapping[str, Any] | None
+    ) -> tuple[ModelFacts, ModelStatus]:
+        """What the huggingFace source's Jobs say: the facts rendering needs and status.model."""
+        source = spec.model.source.hugging_face
+        assert source is not None
+        previous = (status or {}).get("model")
+        endpoint = self.defaults.hf_endpoint
+        known = facts_from_status(source, endpoint, previous)
+        # Rendered from the spec with the operator's defaults, as render() does: same Job names.
+        defaulted = with_operator_defaults(spec, self.defaults)
+        objects = cache_objects(ref.name, ref.uid, ref.namespace, defaulted, endpoint, known)
+        container = CONTAINER if objects.download_job is not None else None
+        view = await self.kube.observe_job(ref.namespace, objects.watched_job, container)
+        assessment = assess(source, endpoint, previous, known, objects, view)
+        if assessment.status.reason == "NoResult":
+            # Its answer is lost with its pod: delete it so the next apply runs it again.
+            await self.kube.delete_job(ref.namespace, objects.watched_job)
+        return assessment.facts, assessment.status
 
     def _classify(self, error: Exception, doing: str, retry: int) -> RetryLater:
         code = _api_error_code(error)
@@ -299,7 +363,7 @@ class Reconciler:
         except ValueError:
             previous = None
         desired = compute_status(
-            generation, outcome.rendered, observed, previous, self.clock(), outcome.problem
+            generation, outcome.rendered, observed, previous, self.clock(), outcome.problem, outcome.model
         )
         patch = status_patch(current, desired)
         if patch is None:

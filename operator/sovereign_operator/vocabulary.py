@@ -52,10 +52,11 @@ def owned_labels(instance: str | None = None) -> dict[str, str]:
 READY = "Ready"  # reconciler
 PROGRESSING = "Progressing"  # reconciler
 DEGRADED = "Degraded"  # reconciler
+MODEL_DOWNLOADED = "ModelDownloaded"  # reconciler (huggingFace sources only)
 METRICS_AVAILABLE = "MetricsAvailable"  # autoscaler
 KV_TRANSFER_HEALTHY = "KVTransferHealthy"  # KV-health monitor
 OUTPUT_HEALTHY = "OutputHealthy"  # output-health monitor (the pods' self-tests)
-RECONCILER_CONDITIONS = (READY, PROGRESSING, DEGRADED)
+RECONCILER_CONDITIONS = (READY, PROGRESSING, DEGRADED, MODEL_DOWNLOADED)
 
 
 def condition(

@@ -6,6 +6,7 @@ import copy
 import json
 from typing import Any
 
+from sovereign_operator.modeldownload import JobView
 from sovereign_operator.observe import Observed
 
 
@@ -30,6 +31,14 @@ class FakeKube:
         self.fail_apply_of: tuple[str, int, str] | None = None
         self.conflicts_left = 0
         self.events: list[dict[str, Any]] = []
+        # Shared objects (model caches) by (kind, name): the applied object and its owners' uids.
+        self.shared: dict[tuple[str, str], dict[str, Any]] = {}
+        self.shared_owners: dict[tuple[str, str], set[str]] = {}
+        self.shared_applies = 0
+        self.released: list[str] = []
+        # Jobs as the apiserver would report them: name -> JobView (a missing name reads as absent).
+        self.jobs: dict[str, JobView] = {}
+        self.deleted_jobs: list[str] = []
 
     async def apply(self, child: dict[str, Any]) -> None:
         if self.fail_apply_with is not None:
@@ -38,6 +47,37 @@ class FakeKube:
             raise FakeApiError(self.fail_apply_of[1], self.fail_apply_of[2])
         self.applies += 1
         self.children[(child["kind"], child["metadata"]["name"])] = copy.deepcopy(child)
+
+    async def apply_shared(self, child: dict[str, Any], owner_uid: str) -> None:
+        if self.fail_apply_of is not None and child["kind"] == self.fail_apply_of[0]:
+            raise FakeApiError(self.fail_apply_of[1], self.fail_apply_of[2])
+        key = (child["kind"], child["metadata"]["name"])
+        self.shared_applies += 1
+        self.shared[key] = copy.deepcopy(child)
+        owners = self.shared_owners.setdefault(key, set())
+        # As in the apiserver: only an object naming this owner has it (a Retain claim names none).
+        if any(r["uid"] == owner_uid for r in child["metadata"].get("ownerReferences") or []):
+            owners.add(owner_uid)
+
+    async def release_shared(self, namespace: str, owner_uid: str, keep: set[tuple[str, str]]) -> list[str]:
+        released = []
+        for key, owners in list(self.shared_owners.items()):
+            if owner_uid not in owners or key in keep:
+                continue
+            owners.discard(owner_uid)
+            if not owners:
+                del self.shared_owners[key]
+                self.shared.pop(key, None)
+            released.append(f"{key[0]}/{key[1]}")
+        self.released += released
+        return released
+
+    async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView:
+        return self.jobs.get(name, JobView())
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        self.deleted_jobs.append(name)
+        self.jobs.pop(name, None)
 
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]

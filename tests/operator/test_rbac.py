@@ -9,6 +9,7 @@ import yaml
 from operator_specs import DEEPSEEK_SPEC, TINY_SPEC
 from sovereign_operator.api import LLMDeploymentSpec
 from sovereign_operator.render import ClusterFacts, DeploymentRef, render
+from sovereign_operator.render.modelcache import ModelFacts, Resolved
 
 RULES_FILE = (
     Path(__file__).resolve().parents[2] / "charts" / "sovereign" / "files" / "operator-rbac-rules.yaml"
@@ -23,6 +24,15 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "Deployment": "deployments",
     "NetworkPolicy": "networkpolicies",
+    "Job": "jobs",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+}
+HF_SPEC = {
+    "model": {
+        "name": "m",
+        "source": {"huggingFace": {"repo": "org/model", "cache": {"retention": "Delete"}}},
+    },
+    "mode": "unified",
 }
 
 
@@ -49,13 +59,16 @@ def test_no_wildcards_and_well_formed() -> None:
 
 def test_every_rendered_kind_can_be_applied_watched_and_pruned() -> None:
     kinds: dict[str, str] = {}
-    for spec in (TINY_SPEC, DEEPSEEK_SPEC):
+    resolved = ModelFacts(resolved=Resolved("a" * 40, 1, 1))
+    for spec, model in ((TINY_SPEC, None), (DEEPSEEK_SPEC, None), (HF_SPEC, None), (HF_SPEC, resolved)):
         rendered = render(
-            DeploymentRef("a", "b", "c"), LLMDeploymentSpec.model_validate(spec), ClusterFacts()
+            DeploymentRef("a", "b", "c"), LLMDeploymentSpec.model_validate(spec), ClusterFacts(), model=model
         )
-        for child in rendered.children:
+        # Shared model caches are applied, listed, patched (owner references) and deleted too.
+        for child in rendered.children + rendered.shared:
             group = child["apiVersion"].rpartition("/")[0]
             kinds[child["kind"]] = group
+    assert {"Job", "PersistentVolumeClaim"} <= set(kinds)
     for kind, group in kinds.items():
         assert {"get", "list", "watch", "create", "patch", "delete"} <= _allowed(group, PLURALS[kind]), kind
 
@@ -76,5 +89,6 @@ def test_operator_can_run_its_own_loop() -> None:
     assert "patch" in _allowed("sovereign.ai", "llmdeployments/status")
     assert "update" in _allowed("sovereign.ai", "llmdeployments/finalizers")
     assert {"list", "watch"} <= _allowed("", "pods") and {"list", "watch"} <= _allowed("", "nodes")
+    assert _allowed("", "pods/log") == {"get"}  # a download's progress line, read-only
     assert "create" in _allowed("", "events")
     assert "update" not in _allowed("sovereign.ai", "llmdeployments"), "the operator never writes spec"

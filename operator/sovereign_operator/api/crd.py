@@ -138,6 +138,12 @@ PRINTER_COLUMNS = [
         "description": "ready/desired",
     },
     {"name": "Ready", "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{READY}")].status'},
+    {
+        "name": "Download",
+        "type": "string",
+        "jsonPath": ".status.model.progress",
+        "description": "the huggingFace source's download",
+    },
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

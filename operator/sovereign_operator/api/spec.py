@@ -163,12 +163,90 @@ class ImageSource(ApiModel):
     RULES = (RELATIVE_PATH_RULE,)
 
 
+# A hub repo id: `org/name` (or a legacy name without an org), as huggingface_hub validates it.
+HF_REPO_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$"
+MAX_PATTERNS = 64
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the deployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="The Secret's name.")
+    key: str = Field("token", min_length=1, max_length=253, description="The key holding the value.")
+
+
+class ModelCacheSpec(ApiModel):
+    """The PersistentVolumeClaim a download fills. LLMDeployments naming the same repo, resolved
+    commit, patterns and these settings share one cache (and one download)."""
+
+    storage_class_name: str | None = Field(
+        None,
+        min_length=1,
+        description="StorageClass of the cache claim; default: the cluster's default class.",
+    )
+    size: Quantity | None = Field(
+        None, description="Capacity of the cache claim; default: the selected files' total + 5% + 1Gi."
+    )
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        "ReadWriteMany",
+        description="ReadWriteMany lets pools on every node read it; ReadWriteOnce only suits one node.",
+    )
+    retention: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        description="Retain: the cache outlives the LLMDeployments using it (delete it by hand); Delete:"
+        " it goes with the last of them (Kubernetes garbage collection).",
+    )
+
+
+class HuggingFaceSource(ApiModel):
+    """Weights downloaded from a Hugging Face hub (or a mirror) by a Job into a shared cache claim,
+    which the pools mount read-only once the download is complete and verified."""
+
+    repo: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=HF_REPO_PATTERN,
+        description="The repo id, e.g. deepseek-ai/DeepSeek-V3.",
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        max_length=255,
+        pattern=r"^[^\s]+$",
+        description="Branch, tag or commit; resolved once to a commit (status.model.commit) that every pod runs.",
+    )
+    endpoint: str | None = Field(
+        None,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description="The hub or a mirror; default: the operator's SOVEREIGN_HF_ENDPOINT, else https://huggingface.co.",
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        None,
+        description="The access token (private and gated repos): a Secret key, passed to the Job as HF_TOKEN.",
+    )
+    allow_patterns: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_PATTERNS,
+        description="Download only paths matching one of these globs (huggingface_hub's allow_patterns).",
+    )
+    ignore_patterns: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_PATTERNS,
+        description="Skip paths matching one of these globs (huggingface_hub's ignore_patterns).",
+    )
+    cache: ModelCacheSpec = Field(
+        default_factory=ModelCacheSpec, description="The cache claim the download fills and the pools read."
+    )
+
+
 def _count_sources(source: ModelSource) -> int:
-    return sum(x is not None for x in (source.pvc, source.host_path, source.image, source.builtin))
+    kinds = (source.pvc, source.host_path, source.image, source.builtin, source.hugging_face)
+    return sum(x is not None for x in kinds)
 
 
 class ModelSource(ApiModel):
-    """Where the weights come from: exactly one of pvc, hostPath, image, builtin."""
+    """Where the weights come from: exactly one of pvc, hostPath, image, builtin, huggingFace."""
 
     pvc: PVCSource | None = Field(None, description="Weights on a PersistentVolumeClaim, mounted read-only.")
     host_path: HostPathSource | None = Field(None, description="Weights in a directory on the node.")
@@ -178,12 +256,16 @@ class ModelSource(ApiModel):
     builtin: Literal["sovereign-tiny"] | None = Field(
         None, description="A model bundled with the runtime (demos and tests; runs on CPU)."
     )
+    hugging_face: HuggingFaceSource | None = Field(
+        None,
+        description="Weights downloaded from a Hugging Face hub into a shared cache claim (see docs/models.md).",
+    )
 
     RULES = (
         CrossFieldRule(
             cel="(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0)"
-            " + (has(self.builtin) ? 1 : 0) == 1",
-            message="set exactly one of pvc, hostPath, image or builtin",
+            " + (has(self.builtin) ? 1 : 0) + (has(self.huggingFace) ? 1 : 0) == 1",
+            message="set exactly one of pvc, hostPath, image, builtin or huggingFace",
             holds=lambda s: _count_sources(s) == 1,
         ),
     )
@@ -194,7 +276,7 @@ class ModelSpec(ApiModel):
 
     name: str = Field(min_length=1, description="The model name clients send (served model name).")
     source: ModelSource = Field(
-        description="Where the weights come from: exactly one of pvc, hostPath, image, builtin."
+        description="Where the weights come from: exactly one of pvc, hostPath, image, builtin, huggingFace."
     )
     precision: Precision = Field("bf16", description="Precision of the checkpoint's weights.")
     parameters_billions: float | None = Field(
@@ -208,15 +290,21 @@ class ModelSpec(ApiModel):
         ge=0,
         le=10_000_000,
         alias="weightsGiB",
-        description="Size of the checkpoint in GiB; preferred over parametersBillions when set.",
+        description="Size of the checkpoint in GiB; preferred over parametersBillions when set (a"
+        " huggingFace source is measured from its file list instead).",
     )
 
     RULES = (
         CrossFieldRule(
-            cel="has(self.source.builtin) || has(self.parametersBillions) || has(self.weightsGiB)",
-            message="set parametersBillions or weightsGiB so the operator can size the startup budget",
+            cel="has(self.source.builtin) || has(self.source.huggingFace) || has(self.parametersBillions)"
+            " || has(self.weightsGiB)",
+            message="set parametersBillions or weightsGiB so the operator can size the startup budget"
+            " (builtin and huggingFace sources are measured)",
             holds=lambda m: (
-                m.source.builtin is not None or m.parameters_billions is not None or m.weights_gib is not None
+                m.source.builtin is not None
+                or m.source.hugging_face is not None
+                or m.parameters_billions is not None
+                or m.weights_gib is not None
             ),
         ),
     )

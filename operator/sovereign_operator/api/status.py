@@ -20,9 +20,9 @@ class Condition(ApiModel):
 
     type: str = Field(
         min_length=1,
-        description="Ready, Progressing, Degraded (the operator), MetricsAvailable (the autoscaler),"
-        " KVTransferHealthy (the KV-health monitor), OutputHealthy and SpeculativeDecoding (the output"
-        " monitor).",
+        description="Ready, Progressing, Degraded, ModelDownloaded (the operator), MetricsAvailable (the"
+        " autoscaler), KVTransferHealthy (the KV-health monitor), OutputHealthy and SpeculativeDecoding"
+        " (the output monitor).",
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(min_length=1, description="Why, in one CamelCase word.")
@@ -114,6 +114,49 @@ class StartupBudget(ApiModel):
     overridden: bool = Field(False, description="True when startup.budgetSeconds set the budget.")
 
 
+DownloadPhase = Literal["Resolving", "Downloading", "Complete", "Retrying", "Failed"]
+
+
+class ServedModel(ApiModel):
+    """The downloaded cache the pools read (the last complete download)."""
+
+    commit: str = Field(description="The commit the pools run.")
+    cache: str = Field(description="The PersistentVolumeClaim holding it (mounted read-only).")
+    bytes_total: int = Field(ge=0, description="Bytes of the checkpoint (they size the startup budget).")
+
+
+class ModelStatus(ApiModel):
+    """The huggingFace source's download, as the operator observes its Jobs (see docs/models.md)."""
+
+    repo: str = Field(description="The repo id from spec.")
+    revision: str = Field(description="The revision from spec.")
+    source_hash: str = Field(
+        description="Digest of the source fields the commit was resolved from; a change resolves again."
+    )
+    commit: str | None = Field(None, description="The commit the revision resolved to (downloads go by it).")
+    cache: str | None = Field(None, description="The cache PersistentVolumeClaim of that commit.")
+    phase: DownloadPhase = Field(
+        description="Resolving, Downloading, Complete, Retrying (failed; retried with backoff) or Failed"
+        " (the Job gave up: delete it to start again)."
+    )
+    bytes_total: int | None = Field(None, ge=0, description="Bytes of the selected files.")
+    bytes_done: int | None = Field(None, ge=0, description="Bytes on the cache volume so far.")
+    files: int | None = Field(None, ge=0, description="Files selected.")
+    files_done: int | None = Field(None, ge=0, description="Files downloaded and in place.")
+    rate_bytes_per_second: int | None = Field(None, ge=0, description="Download rate over the last minute.")
+    eta_seconds: int | None = Field(None, ge=0, description="Time left at that rate.")
+    attempts: int | None = Field(None, ge=0, description="Starts of the current Job's container so far.")
+    reason: str | None = Field(
+        None, description="Why the last attempt failed (Unauthorized, RevisionNotFound, ...)."
+    )
+    message: str | None = Field(None, description="The failure in full, with the hub's own message.")
+    progress: str = Field(description="One line for `kubectl get llmd` (the Download column).")
+    serving: ServedModel | None = Field(
+        None,
+        description="What the pools read; during an update the previous download until the new one completes.",
+    )
+
+
 class LLMDeploymentStatus(ApiModel):
     """What the operator and the autoscaler observe and decide; never written by users."""
 
@@ -132,6 +175,7 @@ class LLMDeploymentStatus(ApiModel):
     startup_budget_seconds: int | None = Field(None, description="The startup probe's budget in seconds.")
     startup_budget: StartupBudget | None = Field(None, description="How the startup budget was computed.")
     pools: PoolsStatus | None = Field(None, description="Each pool's replicas and autoscaler decision.")
+    model: ModelStatus | None = Field(None, description="The huggingFace source's download and cache.")
     # "ready/desired" summaries for the printer columns; in unified mode decode shows the pool.
     prefill_replicas: str | None = Field(None, description="Prefill pods ready/desired (printer column).")
     decode_replicas: str | None = Field(

@@ -9,12 +9,19 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sovereign_operator.api.crd import API_VERSION, KIND
 from sovereign_operator.api.spec import LLMDeploymentSpec, PoolSpec, ResourceRequirements
 from sovereign_operator.api.status import StartupBudget
+from sovereign_operator.render.modelcache import (
+    CHECKPOINT_SUBDIR,
+    CacheObjects,
+    ModelFacts,
+    Serving,
+    cache_objects,
+)
 from sovereign_operator.render.plan import (
     PROBE_PERIOD_SECONDS,
     ClusterFacts,
@@ -104,6 +111,19 @@ class Rendered:
     budget: StartupBudget
     replicas: dict[Component, int]
     endpoint: str
+    # A huggingFace source's shared objects (resolve Job, or cache claim and download Job): applied
+    # under this deployment's own field manager, never pruned, released when no longer rendered.
+    shared: list[dict[str, Any]] = field(default_factory=list)
+    # Shared objects still in use though not rendered (the cache the pools read during an update).
+    keep_shared: frozenset[tuple[str, str]] = frozenset()
+    # None unless the source is huggingFace; then what the cluster said about it.
+    model: ModelFacts | None = None
+    cache: CacheObjects | None = None
+
+    @property
+    def waiting_for_model(self) -> bool:
+        """The pools are not rendered yet: their weights are still being downloaded."""
+        return self.model is not None and self.model.serving is None
 
 
 # ---- names and metadata ------------------------------------------------------------------------
@@ -142,12 +162,16 @@ def _sorted(mapping: Mapping[str, Any]) -> dict[str, Any]:
 # ---- worker pods -------------------------------------------------------------------------------
 
 
-def _model_volume(spec: LLMDeploymentSpec) -> tuple[str, dict[str, Any] | None]:
+def _model_volume(spec: LLMDeploymentSpec, serving: Serving | None) -> tuple[str, dict[str, Any] | None]:
     """The `--model` argument and the volume holding the weights (None for builtin models)."""
     source = spec.model.source
     if source.builtin is not None:
         return f"builtin:{source.builtin}", None
-    if source.pvc is not None:
+    if source.hugging_face is not None:
+        assert serving is not None  # pools render only once the download is complete
+        volume = {"persistentVolumeClaim": {"claimName": serving.cache, "readOnly": True}}
+        subpath = CHECKPOINT_SUBDIR
+    elif source.pvc is not None:
         volume = {"persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
         subpath = source.pvc.path
     elif source.host_path is not None:
@@ -285,9 +309,10 @@ def _worker_pod_template(
     plan: ModePlan,
     budget: StartupBudget,
     settings_hash: str,
+    serving: Serving | None = None,
 ) -> dict[str, Any]:
     pool = pool_spec_for(spec, component)
-    model_arg, model_volume = _model_volume(spec)
+    model_arg, model_volume = _model_volume(spec, serving)
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "jit-cache", "mountPath": JIT_CACHE_MOUNT},
@@ -405,6 +430,7 @@ def _stateful_set(
     plan: ModePlan,
     budget: StartupBudget,
     settings_hash: str,
+    serving: Serving | None = None,
 ) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
@@ -417,7 +443,7 @@ def _stateful_set(
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(ref.name, component)},
-            "template": _worker_pod_template(ref, spec, component, plan, budget, settings_hash),
+            "template": _worker_pod_template(ref, spec, component, plan, budget, settings_hash, serving),
         },
     }
 
@@ -608,16 +634,29 @@ def render(
     replica_overrides: Mapping[str, int] | None = None,
     resolved: ModePlan | None = None,
     defaults: OperatorDefaults | None = None,
+    model: ModelFacts | None = None,
 ) -> Rendered:
     """Every child of one LLMDeployment, in apply order.
 
     `resolved` is the mode decided earlier for this same spec generation; when given, the cluster
-    facts are not consulted again (see `sticky_plan`).
+    facts are not consulted again (see `sticky_plan`). `model` is what the cluster said about a
+    huggingFace source (see modelcache.py); the pools render once its download is complete.
     """
     defaults = defaults or OperatorDefaults()
     spec = with_operator_defaults(spec, defaults)
     plan = resolved if resolved is not None else resolve_mode(spec, facts or ClusterFacts())
-    budget = startup_budget(spec)
+    cache = None
+    serving = None
+    if spec.model.source.hugging_face is not None:
+        model = model or ModelFacts()
+        cache = cache_objects(ref.name, ref.uid, ref.namespace, spec, defaults.hf_endpoint, model)
+        serving = model.serving
+    else:
+        model = None
+    measured = (
+        serving.bytes_total if serving else (model.resolved.bytes_total if model and model.resolved else None)
+    )
+    budget = startup_budget(spec, measured)
     replicas = plan_replicas(spec, plan.mode, replica_overrides or {})
     config = _config_map(ref, spec, plan)
     # Pods roll when the settings they read from the ConfigMap change.
@@ -626,7 +665,8 @@ def render(
     children: list[dict[str, Any]] = [config, *_router_rbac(ref)]
     for component, count in replicas.items():
         children.append(_headless_service(ref, component))
-        children.append(_stateful_set(ref, spec, component, count, plan, budget, settings_hash))
+        if model is None or serving is not None:
+            children.append(_stateful_set(ref, spec, component, count, plan, budget, settings_hash, serving))
         children.append(_pdb(ref, component, pool_name(ref.name, component)))
     children += [
         _router_service(ref),
@@ -635,5 +675,13 @@ def render(
         *network_policies(ref, spec, list(replicas), defaults.operator_namespace),
     ]
     return Rendered(
-        children=children, plan=plan, budget=budget, replicas=replicas, endpoint=endpoint_url(ref)
+        children=children,
+        plan=plan,
+        budget=budget,
+        replicas=replicas,
+        endpoint=endpoint_url(ref),
+        shared=cache.shared if cache is not None else [],
+        keep_shared=frozenset({("PersistentVolumeClaim", serving.cache)} if serving is not None else ()),
+        model=model,
+        cache=cache,
     )

@@ -18,6 +18,7 @@ from sovereign_operator.api.spec import (
     PoolSpec,
 )
 from sovereign_operator.api.status import StartupBudget
+from sovereign_operator.render.modelcache import DEFAULT_HF_ENDPOINT
 
 ResolvedMode = Literal["unified", "disaggregated"]
 Component = Literal["prefill", "decode", "unified"]
@@ -60,6 +61,8 @@ class OperatorDefaults:
 
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     rdma_resource: str = DEFAULT_RDMA_RESOURCE
+    # The hub a huggingFace source without `endpoint` downloads from (a mirror, for air-gapped sites).
+    hf_endpoint: str = DEFAULT_HF_ENDPOINT
     # Where the operator's pods run (the chart passes its release namespace): workers' NetworkPolicies
     # admit its metrics and KV-health scrapes from there.
     operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
@@ -69,6 +72,7 @@ class OperatorDefaults:
         return cls(
             runtime_image=environ.get("SOVEREIGN_RUNTIME_IMAGE") or DEFAULT_RUNTIME_IMAGE,
             rdma_resource=environ.get("SOVEREIGN_RDMA_RESOURCE") or DEFAULT_RDMA_RESOURCE,
+            hf_endpoint=environ.get("SOVEREIGN_HF_ENDPOINT") or DEFAULT_HF_ENDPOINT,
             operator_namespace=environ.get("SOVEREIGN_OPERATOR_NAMESPACE") or DEFAULT_OPERATOR_NAMESPACE,
         )
 
@@ -163,13 +167,18 @@ def plan_replicas(
     return {c: desired_replicas(pool_spec_for(spec, c), overrides.get(c)) for c in components_for(mode)}
 
 
-def weight_bytes(spec: LLMDeploymentSpec) -> int:
+def weight_bytes(spec: LLMDeploymentSpec, measured: int | None = None) -> int:
+    """Bytes a pod reads at start: `measured` (a downloaded checkpoint's files) when known, else the
+    spec's size (0 for builtin, and for a huggingFace source not yet resolved and not sized)."""
     model = spec.model
     if model.source.builtin is not None:
         return 0
+    if measured is not None:
+        return measured
     if model.weights_gib is not None:
         return int(model.weights_gib * 2**30)
-    assert model.parameters_billions is not None  # enforced by ModelSpec's rule
+    if model.parameters_billions is None:
+        return 0  # huggingFace, before the resolve Job has measured it (ModelSpec's rule allows it)
     return int(model.parameters_billions * 1e9 * BYTES_PER_PARAMETER[model.precision])
 
 
@@ -178,9 +187,9 @@ def has_persistent_jit_cache(spec: LLMDeploymentSpec) -> bool:
     return cache is not None and cache.pvc is not None
 
 
-def startup_budget(spec: LLMDeploymentSpec) -> StartupBudget:
+def startup_budget(spec: LLMDeploymentSpec, measured_bytes: int | None = None) -> StartupBudget:
     """base + weight bytes / read bandwidth + JIT allowance, rounded up to whole probe periods."""
-    load = math.ceil(weight_bytes(spec) / (spec.startup.read_bandwidth_mibps * 2**20))
+    load = math.ceil(weight_bytes(spec, measured_bytes) / (spec.startup.read_bandwidth_mibps * 2**20))
     kind = spec.model.precision if spec.uses_gpu() else "cpu"
     cold, warm = JIT_SECONDS[kind]
     jit = warm if has_persistent_jit_cache(spec) else cold
