@@ -18,6 +18,10 @@ from cluster_helpers import CRD_DIR, Kubectl
 pytestmark = pytest.mark.cluster
 
 CPU_SPEC: dict[str, Any] = {"model": {"name": "tiny", "source": {"builtin": "sovereign-tiny"}}}
+HF_SPEC: dict[str, Any] = {
+    "model": {"name": "deepseek-v3", "source": {"huggingFace": {"repo": "deepseek-ai/DeepSeek-V3"}}},
+    "runtime": {"tensorParallelSize": 8},
+}
 GPU_SPEC: dict[str, Any] = {
     "model": {"name": "deepseek-v3", "source": {"pvc": {"claimName": "weights"}}, "weightsGiB": 700},
     "runtime": {"tensorParallelSize": 8},
@@ -96,6 +100,24 @@ CASES = [
     ),
     Case("unknown-field", patched(CPU_SPEC, "replicas", 3), "spec.replicas", 'unknown field "spec.replicas"'),
     Case(
+        "hf-repo-pattern",
+        patched(HF_SPEC, "model.source.huggingFace.repo", "deepseek-ai/DeepSeek V3"),
+        "spec.model.source.huggingFace.repo",
+        "should match",
+    ),
+    Case(
+        "hf-endpoint-url",
+        patched(HF_SPEC, "model.source.huggingFace.endpoint", "hub.internal"),
+        "spec.model.source.huggingFace.endpoint",
+        "should match '^https?://",
+    ),
+    Case(
+        "hf-retention-enum",
+        patched(HF_SPEC, "model.source.huggingFace.cache", {"retention": "Forever"}),
+        "spec.model.source.huggingFace.cache.retention",
+        "Unsupported value",
+    ),
+    Case(
         "router-policy-enum",
         patched(CPU_SPEC, "router.policy", "random"),
         "spec.router.policy",
@@ -107,7 +129,7 @@ CASES = [
         "source-exactly-one",
         patched(CPU_SPEC, "model.source", {"builtin": "sovereign-tiny", "pvc": {"claimName": "w"}}),
         "spec.model.source",
-        "set exactly one of pvc, hostPath, image or builtin",
+        "set exactly one of pvc, hostPath, image, builtin or huggingFace",
         cel=True,
     ),
     Case(
@@ -262,7 +284,9 @@ def test_invalid_llmdeployment_is_rejected_naming_the_field(
     assert kube.get_or_none("llmdeployments", case.name, "-n", namespace) is None
 
 
-@pytest.mark.parametrize("spec", [CPU_SPEC, GPU_SPEC], ids=["cpu-builtin", "gpu-disaggregated"])
+@pytest.mark.parametrize(
+    "spec", [CPU_SPEC, GPU_SPEC, HF_SPEC], ids=["cpu-builtin", "gpu-disaggregated", "huggingface-unsized"]
+)
 def test_the_valid_bases_are_accepted(kube: Kubectl, module_namespace: str, spec: dict[str, Any]) -> None:
     # The invalid cases above are one change away from these, so each rejection is that change's.
     result = kube.run(
