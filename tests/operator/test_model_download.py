@@ -539,3 +539,18 @@ def test_render_shows_the_resolve_job_or_with_the_hubs_answer_everything(
         assert main(["render", "-f", str(path), "--resolve-models"]) == 1
         err = capsys.readouterr().err
         assert "spec.model.source.huggingFace: Unauthorized" in err and "Invalid credentials" in err
+
+
+def test_the_models_doc_example_is_valid() -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert block is not None
+    document = yaml.safe_load(block.group(1))
+    spec = LLMDeploymentSpec.model_validate(document["spec"])
+    assert spec.model.source.hugging_face is not None
+    assert render(REF, spec).shared[0]["kind"] == "Job"
