@@ -101,6 +101,19 @@ def _failure(pod: Mapping[str, Any] | None) -> tuple[str, str] | None:
     return None
 
 
+# Container states that wait for a person, not for time (a missing token Secret, a bad image).
+_STUCK_WAITING = ("CreateContainerConfigError", "ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+
+
+def _stuck(pod: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    waiting = (_container(pod).get("state") or {}).get("waiting") or {}
+    if waiting.get("reason") in _STUCK_WAITING:
+        return str(
+            waiting["reason"]
+        ), f"the {CONTAINER} container cannot start: {waiting.get('message') or waiting['reason']}"
+    return None
+
+
 def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:
     scheduled = find_condition(((pod or {}).get("status") or {}).get("conditions"), "PodScheduled")
     if scheduled and scheduled.get("reason") == "Unschedulable":
@@ -171,7 +184,7 @@ def assess(
     job, pod = view.job, _newest(view.pods)
     container = _container(pod)
     restarts = int(container.get("restartCount") or 0)
-    failure = _failure(pod)
+    failure = _failure(pod) or _stuck(pod)
     base: dict[str, Any] = {
         "repo": source.repo,
         "revision": source.revision,

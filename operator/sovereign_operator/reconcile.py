@@ -224,10 +224,10 @@ class Reconciler:
                 facts = ClusterFacts(await self.kube.advertised_resources())
             except Exception as error:
                 raise self._classify(error, "listing nodes", retry) from error
-        model_facts, model_status = None, None
+        model_facts, model_status, job_missing = None, None, False
         if spec.model.source.hugging_face is not None:
             try:
-                model_facts, model_status = await self._assess_model(ref, spec, status)
+                model_facts, model_status, job_missing = await self._assess_model(ref, spec, status)
             except Exception as error:
                 raise self._classify(error, "reading the model download Jobs", retry) from error
         rendered = render(
@@ -235,7 +235,11 @@ class Reconciler:
         )
         digest = _digest(rendered.children + rendered.shared + [sorted(rendered.keep_shared)])
         previous = self.outcomes.get(key)
-        if not force and previous is not None and previous.digest == digest and previous.problem is None:
+        if job_missing:
+            # A Job this deployment applied is gone (deleted to retry, or its TTL): apply it again.
+            for shared_key in [k for k in self._applied_shared if k[:3] == (ref.namespace, ref.name, "Job")]:
+                del self._applied_shared[shared_key]
+        elif not force and previous is not None and previous.digest == digest and previous.problem is None:
             previous.model = model_status  # progress moves while the children stay the same
             metrics.RECONCILES.labels("unchanged").inc()
             return previous
@@ -294,8 +298,9 @@ class Reconciler:
 
     async def _assess_model(
         self, ref: DeploymentRef, spec: LLMDeploymentSpec, status: Mapping[str, Any] | None
-    ) -> tuple[ModelFacts, ModelStatus]:
-        """What the huggingFace source's Jobs say: the facts rendering needs and status.model."""
+    ) -> tuple[ModelFacts, ModelStatus, bool]:
+        """What the huggingFace source's Jobs say: the facts rendering needs, status.model, and
+        whether the Job being watched is missing (never applied, or deleted since)."""
         source = spec.model.source.hugging_face
         assert source is not None
         previous = (status or {}).get("model")
@@ -310,7 +315,7 @@ class Reconciler:
         if assessment.status.reason == "NoResult":
             # Its answer is lost with its pod: delete it so the next apply runs it again.
             await self.kube.delete_job(ref.namespace, objects.watched_job)
-        return assessment.facts, assessment.status
+        return assessment.facts, assessment.status, view.job is None
 
     def _classify(self, error: Exception, doing: str, retry: int) -> RetryLater:
         code = _api_error_code(error)

@@ -73,11 +73,16 @@ class FakeKube:
         return released
 
     async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView:
-        return self.jobs.get(name, JobView())
+        if name in self.jobs:
+            return self.jobs[name]
+        # An applied Job exists (no pods yet); one never applied, or deleted, does not.
+        applied = ("Job", name) in self.shared
+        return JobView(job={"metadata": {"name": name}, "status": {}} if applied else None)
 
     async def delete_job(self, namespace: str, name: str) -> None:
         self.deleted_jobs.append(name)
         self.jobs.pop(name, None)
+        self.shared.pop(("Job", name), None)
 
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]

@@ -554,3 +554,23 @@ def test_the_models_doc_example_is_valid() -> None:
     spec = LLMDeploymentSpec.model_validate(document["spec"])
     assert spec.model.source.hugging_face is not None
     assert render(REF, spec).shared[0]["kind"] == "Job"
+
+
+def test_a_deleted_job_is_applied_again_and_a_missing_secret_is_named() -> None:
+    kube = FakeKube(body_for(HF_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        job = _name(kube, "Job")
+        await kube.delete_job("ns", job)  # as `kubectl delete job` after the Job gave up
+        await reconciler.reconcile(kube.body)
+        assert ("Job", job) in kube.shared
+        waiting = {"reason": "CreateContainerConfigError", "message": 'secret "hf-token" not found'}
+        kube.jobs[job] = JobView(job={"status": {}}, pods=[_pod({"waiting": waiting})])
+        await reconciler.reconcile(kube.body)
+        degraded = _condition(kube.body, "Degraded")
+        assert degraded["reason"] == "CreateContainerConfigError"
+        assert 'secret "hf-token" not found' in degraded["message"]
+
+    asyncio.run(scenario())
