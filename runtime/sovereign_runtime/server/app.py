@@ -174,6 +174,7 @@ def create_app(
         stats=lambda: state.runtime.engine.stats() if state.runtime else None,
         phase=lambda: state.phase,
         self_test=state.self_test_health,
+        startup=state.startup_timing,
     )
     app[LOADER] = loader
     if runtime is not None:

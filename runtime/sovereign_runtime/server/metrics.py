@@ -111,11 +111,13 @@ class _EngineCollector(Collector):
         stats: Callable[[], EngineStats | None],
         phase: Callable[[], str],
         self_test: Callable[[], Mapping[str, Any] | None] | None = None,
+        startup: Callable[[], Mapping[str, Any]] | None = None,
     ):
         self._model = model_name
         self._stats = stats
         self._phase = phase
         self._self_test = self_test
+        self._startup = startup
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()  # None until the model is loaded: every engine figure reads 0
@@ -146,8 +148,29 @@ class _EngineCollector(Collector):
         for p in STARTUP_PHASES:
             phase.add_metric([self._model, p], 1.0 if p == current else 0.0)
         yield phase
+        if self._startup is not None:
+            yield from self._startup_metrics(self._startup())
         if self._self_test is not None:
             yield from self._self_test_metrics(self._self_test())
+
+    def _startup_metrics(self, timing: Mapping[str, Any]) -> Iterator[Metric]:
+        """How long each finished startup phase took, and the whole start (0 until ready)."""
+        phases = GaugeMetricFamily(
+            "sovereign:startup_phase_duration_seconds",
+            "Seconds this process spent in a finished startup phase (process, loading_weights, compiling,"
+            " warming_up, self_test).",
+            labels=["model_name", "phase"],
+        )
+        for name, seconds in (timing.get("phase_seconds") or {}).items():
+            phases.add_metric([self._model, name], float(seconds))
+        yield phases
+        total = GaugeMetricFamily(
+            "sovereign:startup_duration_seconds",
+            "Process start to ready, in seconds (0 until ready).",
+            labels=["model_name"],
+        )
+        total.add_metric([self._model], float(timing.get("startup_seconds") or 0.0))
+        yield total
 
     def _self_test_metrics(self, health: Mapping[str, Any] | None) -> Iterator[Metric]:
         """The output self-test (``ServerState.self_test_health``): last result, per check, run counts."""
@@ -206,6 +229,7 @@ class ServerMetrics:
         stats: Callable[[], EngineStats | None],
         phase: Callable[[], str],
         self_test: Callable[[], Mapping[str, Any] | None] | None = None,
+        startup: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -263,7 +287,7 @@ class ServerMetrics:
         )
         for kind in TIMEOUT_KINDS:
             self.read_timeouts.labels(kind)
-        r.register(_EngineCollector(model_name, stats, phase, self_test))
+        r.register(_EngineCollector(model_name, stats, phase, self_test, startup))
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:
         # A step that returns k tokens at once (e.g. speculative decoding) counts k equal gaps.

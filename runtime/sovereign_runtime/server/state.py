@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -17,6 +18,25 @@ from ..tokenizer import Tokenizer
 log = logging.getLogger("sovereign_runtime.server")
 
 ProgressFn = Callable[[str, float, str], None]
+# Phases whose durations /health/startup and the metrics report, in order: "process" runs from the
+# process's own start (interpreter, imports, binding the port) until loading begins.
+TIMED_PHASES = ("process", "loading_weights", "compiling", "warming_up", "self_test")
+
+
+def process_start_time() -> float:
+    """When this process started (Unix seconds), from /proc; the import time of this module elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (after the parenthesised command, which may contain spaces): start time in ticks.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
 
 
 class EngineLike(Protocol):
@@ -62,6 +82,11 @@ class ServerState:
         self.progress = 0.0
         self.detail = "waiting to start"
         self.started_at = time.time()
+        # Seconds spent in each finished startup phase (TIMED_PHASES), and the whole start once ready.
+        self.process_started_at = process_start_time()
+        self.phase_seconds: dict[str, float] = {}
+        self.startup_seconds: float | None = None
+        self._phase_since: float | None = None  # None: loading has not begun (still "process")
         self.runtime: LoadedRuntime | None = None
         self.error: str | None = None
         self.draining = False
@@ -80,18 +105,44 @@ class ServerState:
 
     def report(self, phase: str, progress: float, detail: str = "") -> None:
         with self._lock:
+            self._time_phases(phase, time.time())
             self.phase = phase
             self.progress = max(0.0, min(1.0, float(progress)))
             self.detail = detail
         log.info("startup phase %s %.0f%% %s", phase, 100 * self.progress, detail)
 
+    def _time_phases(self, phase: str, now: float) -> None:
+        """Close the phase being left; the first report closes "process". Called under the lock."""
+        if self._phase_since is None:
+            self.phase_seconds["process"] = max(0.0, now - self.process_started_at)
+            self._phase_since = now
+        elif phase != self.phase and self.phase in TIMED_PHASES:
+            self.phase_seconds[self.phase] = self.phase_seconds.get(self.phase, 0.0) + now - self._phase_since
+            self._phase_since = now
+        elif phase != self.phase:
+            self._phase_since = now
+        if phase == "ready" and self.startup_seconds is None:
+            self.startup_seconds = max(0.0, now - self.process_started_at)
+
+    def startup_timing(self) -> dict[str, Any]:
+        """Finished phases' seconds and, once ready, the whole start: for /health/startup and metrics."""
+        with self._lock:
+            timing: dict[str, Any] = {
+                "phase_seconds": {p: round(s, 3) for p, s in self.phase_seconds.items()}
+            }
+            if self.startup_seconds is not None:
+                timing["startup_seconds"] = round(self.startup_seconds, 3)
+            return timing
+
     def snapshot(self) -> dict[str, Any]:
+        timing = self.startup_timing()
         with self._lock:
             body: dict[str, Any] = {"phase": self.phase}
             if self.phase != "ready":
                 body["progress"] = round(self.progress, 4)
                 body["detail"] = self.detail
             body["elapsed_s"] = round(time.time() - self.started_at, 3)
+            body.update(timing)
             if self.error:
                 body["error"] = self.error
             if self.self_test is not None:
