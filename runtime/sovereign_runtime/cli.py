@@ -194,12 +194,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     guard.add_argument(
         "--enable-fault-injection",
         action="store_true",
-        help="allow --inject-fault (tests and alert drills only)",
+        help="allow --inject-fault and --debug-hold-compiling-s (tests and alert drills only)",
     )
     guard.add_argument(
         "--inject-fault",
         metavar="SPEC",
         help="test-only fault, e.g. nan_layer=1,nan_p=0.2 or batch_min_seqs=3 (needs --enable-fault-injection)",
+    )
+    guard.add_argument(
+        "--debug-hold-compiling-s",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="test-only: hold startup in phase compiling this long (/health/startup answers 503 with the"
+        " phase and its progress), as a slow kernel compilation would (needs --enable-fault-injection)",
     )
     spec = p.add_argument_group("speculative decoding (docs/runtime.md)")
     spec.add_argument(
@@ -292,16 +299,29 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
         return "127.0.0.1"
 
 
+# Flags that only tests and drills may use; each is refused unless --enable-fault-injection is given too.
+TEST_ONLY_FLAGS = (("--inject-fault", "inject_fault"), ("--debug-hold-compiling-s", "debug_hold_compiling_s"))
+
+
+def check_test_only_flags(args: argparse.Namespace) -> None:
+    """Refuse a test-only flag without the explicit opt-in, and the opt-in without anything to inject."""
+    given = [flag for flag, attr in TEST_ONLY_FLAGS if getattr(args, attr) is not None]
+    if given and not args.enable_fault_injection:
+        raise UsageError(
+            f"serve: {given[0]} is for tests and drills only; add --enable-fault-injection to allow it"
+        )
+    if args.enable_fault_injection and not given:
+        raise UsageError(
+            "serve: --enable-fault-injection needs --inject-fault SPEC or --debug-hold-compiling-s SECONDS"
+            " (what to inject)"
+        )
+
+
 def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
     """The test-only ``FaultSpec`` of ``--inject-fault``, refused unless ``--enable-fault-injection``."""
+    check_test_only_flags(args)
     if args.inject_fault is None:
-        if args.enable_fault_injection:
-            raise UsageError("serve: --enable-fault-injection needs --inject-fault SPEC (what to inject)")
         return None
-    if not args.enable_fault_injection:
-        raise UsageError(
-            "serve: --inject-fault is for tests and drills only; add --enable-fault-injection to allow it"
-        )
     if args.tensor_parallel_size > 1:
         raise UsageError("serve: --inject-fault works with --tensor-parallel-size 1 only")
     try:
@@ -376,6 +396,7 @@ def run_serve(args: argparse.Namespace) -> int:
         repetition_window=args.repetition_window,
         read_deadlines=read_deadlines(args),
         request_timeout_s=args.request_timeout,
+        debug_hold_compiling_s=args.debug_hold_compiling_s or 0.0,
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:

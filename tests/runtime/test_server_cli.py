@@ -93,6 +93,22 @@ def test_api_key_file_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.Ca
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
+        (["--debug-hold-compiling-s", "5"], "--debug-hold-compiling-s is for tests and drills only"),
+        (["--inject-fault", "nan_layer=1"], "--inject-fault is for tests and drills only"),
+        (["--enable-fault-injection"], "--enable-fault-injection needs --inject-fault SPEC or --debug-hold"),
+        (["--enable-fault-injection", "--debug-hold-compiling-s", "0"], "--debug-hold-compiling-s"),
+    ],
+)
+def test_test_only_flags_need_the_explicit_opt_in(
+    checkpoint: Path, flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _run_main(["serve", "--model", str(checkpoint), *flags], capsys)
+    assert code == 2 and named in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
         (
             ["--speculative-num-draft-tokens", "2"],
             "--speculative-num-draft-tokens needs --speculative-algorithm",
@@ -132,6 +148,8 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
         "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "128",
         "--num-kv-blocks", "32", "--max-num-seqs", "4", "--api-key-file", str(key),
+        # The test-only hook a real node's startup-probe tests use: 1.5 s in phase compiling.
+        "--enable-fault-injection", "--debug-hold-compiling-s", "1.5",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     env.pop("SOVEREIGN_API_KEY", None)
@@ -139,6 +157,7 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
     base = f"http://127.0.0.1:{port}"
     try:
         phases: list[str] = []
+        held: list[dict[str, Any]] = []
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, proc.communicate()[0]
@@ -149,12 +168,17 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
                 time.sleep(0.05)
                 continue
             phases.append(body["phase"])
+            if body.get("detail") == "held by --debug-hold-compiling-s (test only)":
+                held.append(body)
             if status == 200:
                 break
             assert status == 503 and 0.0 <= body["progress"] <= 1.0
             time.sleep(0.02)
         assert phases[-1] == "ready"
         assert set(phases) <= {"loading_weights", "compiling", "warming_up", "self_test", "ready"}
+        # Held in compiling with 503 and a progress that rises with the time held.
+        assert held and all(b["phase"] == "compiling" for b in held)
+        assert held[-1]["progress"] > held[0]["progress"] and held[-1]["elapsed_s"] >= 1.0
         assert _get(base + "/health/ready")[0] == 200
         auth = {"Authorization": "Bearer k-123"}
         assert _get(base + "/v1/models")[0] == 401
@@ -165,7 +189,9 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out
-        assert "drained" in out
+        # kubectl logs shows the drain: who started it, what was in flight, how it ended.
+        assert "drain started (SIGTERM): 0 request(s) in flight" in out, out
+        assert "drain finished in" in out and "startup held in phase compiling for 1.5 s" in out, out
     finally:
         if proc.poll() is None:
             proc.kill()

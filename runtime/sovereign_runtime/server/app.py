@@ -74,6 +74,9 @@ class ServerConfig:
     # Longest a generation request may run, from arrival to its last token; 0: no limit. A request's
     # own request_timeout may ask for less, never more.
     request_timeout_s: float = 0.0
+    # Test-only (`--debug-hold-compiling-s`): hold startup in phase `compiling` this long, as a slow
+    # kernel compilation would, so startup probes and the operator's phase reports can be exercised.
+    debug_hold_compiling_s: float = 0.0
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -165,7 +168,7 @@ def create_app(
     if config.api_key:
         middlewares.append(_auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    state = ServerState()
+    state = ServerState(drain_timeout_s=config.drain_timeout_s)
     app[STATE] = state
     app[CONFIG] = config
     app[DEADLINE_GUARD] = guard
@@ -239,6 +242,8 @@ async def _startup(app: web.Application) -> None:
             if asyncio.iscoroutine(result):
                 await result
         state.runtime = rt
+        if config.debug_hold_compiling_s > 0:
+            await _hold_compiling(state, config.debug_hold_compiling_s)
         if config.warmup:
             await _warm_up(state, rt)
         if rt.self_test is not None:
@@ -257,6 +262,20 @@ async def _startup(app: web.Application) -> None:
         state.error = f"{type(exc).__name__}: {exc}"
         state.report("failed", state.progress, state.error)
         state.stop_requested.set()
+
+
+HOLD_DETAIL = "held by --debug-hold-compiling-s (test only)"
+
+
+async def _hold_compiling(state: ServerState, seconds: float) -> None:
+    """Stay in phase `compiling` for `seconds`, progress rising with the time held (test-only hook)."""
+    log.warning("startup held in phase compiling for %g s (--debug-hold-compiling-s, tests only)", seconds)
+    tick_s = min(1.0, max(0.05, seconds / 20))
+    started = time.monotonic()
+    while (elapsed := time.monotonic() - started) < seconds:
+        state.report("compiling", elapsed / seconds, HOLD_DETAIL, quiet=elapsed > 0)
+        await asyncio.sleep(min(tick_s, seconds - elapsed))
+    state.report("compiling", 1.0, HOLD_DETAIL)
 
 
 async def _warm_up(state: ServerState, rt: LoadedRuntime) -> None:
@@ -314,7 +333,7 @@ class _Api:
         return _json(snap, status=200 if snap["phase"] == "ready" else 503)
 
     async def drain(self, request: web.Request) -> web.Response:
-        self.state.begin_drain()
+        self.state.begin_drain("POST /drain")
         return _json({"status": "draining", "in_flight": self.state.in_flight}, status=202)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -57,7 +58,7 @@ async def serve(app: web.Application, host: str, port: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, state.begin_drain)
+            loop.add_signal_handler(sig, state.begin_drain, sig.name)
     try:
         drain = asyncio.create_task(state.drain_requested.wait())
         failed = asyncio.create_task(state.stop_requested.wait())
@@ -68,18 +69,32 @@ async def serve(app: web.Application, host: str, port: int) -> int:
             log.error("startup failed: %s", state.error)
             return 1
         await wait_drained(app)
-        log.info("drained; shutting down")
+        log.info("shutting down")
         return 0
     finally:
         await server.close()
 
 
 async def wait_drained(app: web.Application) -> bool:
-    """Wait until in-flight requests finish after a drain, bounded by the drain timeout."""
+    """Wait until in-flight requests finish after a drain, bounded by the drain timeout; log the end."""
     state, config = app[STATE], app[CONFIG]
+    started = state.drain_started_at if state.drain_started_at is not None else time.monotonic()
+    # The timeout counts from the drain's start (the preStop hook's POST /drain), not from this call.
+    remaining = max(0.0, config.drain_timeout_s - (time.monotonic() - started))
     try:
-        await asyncio.wait_for(state.drained.wait(), timeout=config.drain_timeout_s)
-        return True
+        await asyncio.wait_for(state.drained.wait(), timeout=remaining)
     except TimeoutError:
-        log.warning("drain timed out with %d request(s) in flight; aborting them", state.in_flight)
+        log.warning(
+            "drain timed out after %.1f s: %d of %d request(s) completed, %d still in flight are aborted",
+            time.monotonic() - started,
+            max(0, state.in_flight_at_drain - state.in_flight),
+            state.in_flight_at_drain,
+            state.in_flight,
+        )
         return False
+    log.info(
+        "drain finished in %.1f s: all %d in-flight request(s) completed",
+        time.monotonic() - started,
+        state.in_flight_at_drain,
+    )
+    return True

@@ -76,7 +76,7 @@ Loader = Callable[[ProgressFn], LoadedRuntime]
 class ServerState:
     """Phase, progress and drain state shared by the handlers and the startup task."""
 
-    def __init__(self) -> None:
+    def __init__(self, drain_timeout_s: float = 30.0) -> None:
         self._lock = threading.Lock()  # the loader thread reports progress
         self.phase = "loading_weights"
         self.progress = 0.0
@@ -90,6 +90,10 @@ class ServerState:
         self.runtime: LoadedRuntime | None = None
         self.error: str | None = None
         self.draining = False
+        self.drain_timeout_s = drain_timeout_s
+        # When the drain began (monotonic) and how many requests it found in flight: its log lines.
+        self.drain_started_at: float | None = None
+        self.in_flight_at_drain = 0
         self.in_flight = 0
         self.drained = asyncio.Event()
         self.drain_requested = asyncio.Event()
@@ -103,13 +107,14 @@ class ServerState:
         self.self_test_skipped = 0
         self.self_test_failures: dict[str, int] = {}
 
-    def report(self, phase: str, progress: float, detail: str = "") -> None:
+    def report(self, phase: str, progress: float, detail: str = "", *, quiet: bool = False) -> None:
         with self._lock:
             self._time_phases(phase, time.time())
             self.phase = phase
             self.progress = max(0.0, min(1.0, float(progress)))
             self.detail = detail
-        log.info("startup phase %s %.0f%% %s", phase, 100 * self.progress, detail)
+        if not quiet:
+            log.info("startup phase %s %.0f%% %s", phase, 100 * self.progress, detail)
 
     def _time_phases(self, phase: str, now: float) -> None:
         """Close the phase being left; the first report closes "process". Called under the lock."""
@@ -198,9 +203,18 @@ class ServerState:
         if self.draining and self.in_flight <= 0:
             self.drained.set()
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, cause: str = "requested") -> None:
+        """Refuse new requests from now on and let the in-flight ones finish (`cause`: who asked)."""
         if not self.draining:
-            log.info("draining: %d request(s) in flight", self.in_flight)
+            self.drain_started_at = time.monotonic()
+            self.in_flight_at_drain = self.in_flight
+            # One line `kubectl logs` shows for the preStop hook's POST /drain (or SIGTERM).
+            log.info(
+                "drain started (%s): %d request(s) in flight, new requests get 503; waiting up to %g s",
+                cause,
+                self.in_flight,
+                self.drain_timeout_s,
+            )
         self.draining = True
         self.drain_requested.set()
         if self.in_flight <= 0:
