@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from sovereign_operator import yamlio
 from sovereign_operator.api import LLMDeploymentSpec
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render, startup_budget
 from sovereign_operator.render.plan import PROBE_PERIOD_SECONDS, OperatorDefaults
+from sovereign_runtime.router.cli import add_router_arguments, validate_router_args
 
 REF = DeploymentRef(name="llm", namespace="team-a", uid="uid-123", generation=3)
 RDMA = "rdma/rdma_shared_device_a"
@@ -241,6 +243,39 @@ def test_liveness_readiness_and_graceful_termination() -> None:
     # The runtime's own drain (started by the hook's POST /drain) waits as long as the hook does.
     assert _arg(container, "--drain-timeout") == "200"
     assert statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 200
+
+
+def test_rolling_updates_leave_the_router_a_worker_and_a_router_to_clients() -> None:
+    """What a rolling update under load needs of the rendered children (docs/CONTRACTS.md)."""
+    spec = with_changes(TINY_SPEC, runtime={"drainTimeoutSeconds": 90})
+    rendered = _render(spec)
+    statefulset = _one(rendered, "StatefulSet", "llm-unified")
+    # One pod at a time (the default partition-free RollingUpdate), the next old pod only after the
+    # new one has been Ready long enough for the router's EndpointSlice watch to know it.
+    assert statefulset["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+    assert statefulset["spec"]["minReadySeconds"] >= 5
+    assert _one(rendered, "PodDisruptionBudget", "llm-unified")["spec"]["maxUnavailable"] == 1
+    # The router: surge first, a new pod is Ready only once it knows a worker, and an old one
+    # serves on through the endpoint update, then gives streams the workers' drain time.
+    router = _one(rendered, "Deployment", "llm-router")
+    assert router["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert router["spec"]["minReadySeconds"] >= 1
+    pod = router["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    delay, drain = (
+        float(_arg(container, "--shutdown-delay") or 0),
+        float(_arg(container, "--drain-timeout") or 0),
+    )
+    assert delay >= 1 and drain == 90
+    assert pod["terminationGracePeriodSeconds"] > delay + drain
+    for each in (container, _container(statefulset)):
+        assert each["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # The router's flags are its CLI's.
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    assert validate_router_args(parser.parse_args(container["args"][1:])) is None
 
 
 def test_every_child_has_labels_and_controller_owner() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -203,6 +204,8 @@ def _parse(*argv: str) -> argparse.Namespace:
         (("--worker", "http://a", "--failure-threshold", "0"), "--failure-threshold"),
         (("--worker", "http://a", "--breaker-cooldown", "0"), "--breaker-cooldown"),
         (("--worker", "http://a", "--max-body-bytes", "10"), "--max-body-bytes"),
+        (("--worker", "http://a", "--shutdown-delay", "-1"), "--shutdown-delay"),
+        (("--worker", "http://a", "--drain-timeout", "0"), "--drain-timeout"),
     ],
 )
 def test_router_flags_are_validated(argv: tuple[str, ...], fragment: str) -> None:
@@ -651,6 +654,66 @@ def test_failure_mid_stream_ends_with_an_error_event() -> None:
                 assert text.startswith('data: {"text": "a"}')
                 assert '"upstream_error"' in text and text.endswith("data: [DONE]\n\n")
                 assert len(worker.requests) == 1  # never retried once bytes flowed
+
+    run(scenario())
+
+
+def test_a_stopping_router_leaves_the_service_first_and_finishes_every_stream() -> None:
+    """SIGTERM in a rolling update: readiness 503 at once, new requests still served through the
+    shutdown delay (endpoints take a moment to forget the pod), in-flight streams run to their end."""
+
+    async def slow_stream(request: web.Request, payload: dict) -> web.StreamResponse:
+        if not payload.get("stream"):
+            return web.json_response({"worker": "w"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(8):
+            await response.write(f"data: {json.dumps({'n': i})}\n\n".encode())
+            await asyncio.sleep(0.15)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def scenario() -> None:
+        from sovereign_runtime.router.cli import serve_router
+
+        worker = StubWorker("w", slow_stream)
+        async with serve_app(worker.app) as url_w:
+            router = Router(RouterConfig(static_members={"worker": [url_w]}, health_interval_s=3600))
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            stop = asyncio.Event()
+            serving = asyncio.create_task(
+                serve_router(
+                    create_app(router), "127.0.0.1", port, shutdown_delay_s=0.5, drain_timeout_s=10,
+                    router=router, stop=stop,
+                )
+            )  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as client:
+                for _ in range(100):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with client.get(f"{url}/health/ready") as resp:
+                            if resp.status == 200:
+                                break
+                    await asyncio.sleep(0.05)
+                async with client.post(
+                    f"{url}/v1/completions", json={"prompt": "x", "stream": True}
+                ) as stream:
+                    await stream.content.readline()  # the first chunk: the stream is in flight
+                    stop.set()  # SIGTERM
+                    await asyncio.sleep(0.05)
+                    async with client.get(f"{url}/health/ready") as resp:
+                        assert resp.status == 503 and (await resp.json())["stopping"] is True
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "y"}) as resp:
+                        assert resp.status == 200  # still served during the shutdown delay
+                    text = await stream.text()
+                assert text.count("data: ") == 8 and text.endswith("data: [DONE]\n\n")
+                await asyncio.wait_for(serving, timeout=5)
+                with pytest.raises(aiohttp.ClientError):
+                    async with client.get(f"{url}/health"):
+                        pass
 
     run(scenario())
 

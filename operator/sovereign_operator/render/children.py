@@ -58,8 +58,21 @@ GPU_RESOURCE = "nvidia.com/gpu"
 RUNTIME_UID = 65532  # the runtime image's user (images/runtime.Dockerfile)
 RUNTIME_GID = 65532  # and its group
 # Time after the preStop drain for SIGTERM handling and exit (the runtime gets --drain-timeout =
-# runtime.drainTimeoutSeconds, the same bound the hook waits).
+# runtime.drainTimeoutSeconds, the same bound the hook waits; the hook itself ends within
+# PRESTOP_OVERRUN_SECONDS of that bound).
 EXIT_GRACE_SECONDS = 45
+PRESTOP_OVERRUN_SECONDS = 2
+# A rolling update replaces the next old pod only this long after the new one turned Ready: the
+# router learns of the new pod from its EndpointSlice watch (well under a second) before the old one
+# starts draining, so there is always a worker it knows that takes new requests.
+WORKER_MIN_READY_SECONDS = 10
+# The router: a new pod counts as available after this long (kube-proxy on every node has programmed
+# it into the Service); an old one keeps serving ROUTER_SHUTDOWN_DELAY_SECONDS after SIGTERM with
+# readiness 503 while endpoints forget it, then lets in-flight streams finish (the workers' drain
+# timeout) before it exits.
+ROUTER_MIN_READY_SECONDS = 5
+ROUTER_SHUTDOWN_DELAY_SECONDS = 5
+ROUTER_EXIT_GRACE_SECONDS = 15
 # The router holds connections and a prefix tree of bounded size (2 M characters per pool): a memory
 # limit stops a leak or a flood from taking the node down with it. No CPU limit: throttling the router
 # would delay every request (its health checks measure their own lateness for the same reason).
@@ -71,26 +84,32 @@ WORKER_SCRATCH = (("tmp", "/tmp"), ("home-cache", "/home/sovereign/.cache"))
 # The preStop hook: ask the runtime to drain, then wait until nothing runs or queues. It only
 # uses the runtime's contract (POST /drain, the vLLM request gauges on /metrics) and python3.
 DRAIN_SCRIPT = """\
-import os, sys, time, urllib.request
+import os, sys, time, urllib.error, urllib.request
 base = "http://127.0.0.1:RUNTIME_PORT"
 deadline = time.monotonic() + float(sys.argv[1])
-# /drain takes the API key like the API does (else a silent 401 and no drain).
+def timeout():
+    # Every call ends by the deadline (or half a second after it): the hook ends inside the grace period.
+    return max(0.5, min(5.0, deadline - time.monotonic()))
+# /drain takes the API key like the API does.
 key = os.environ.get("SOVEREIGN_API_KEY")
 auth = {"Authorization": "Bearer " + key} if key else {}
 try:
-    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST", headers=auth), timeout=5)
+    urllib.request.urlopen(urllib.request.Request(base + "/drain", method="POST", headers=auth), timeout=timeout())
+except urllib.error.HTTPError as error:
+    # Non-zero: the kubelet records FailedPreStopHook with this line; its SIGTERM still drains.
+    sys.exit("preStop: POST /drain answered %d: %s" % (error.code, error.read()[:200].decode(errors="replace")))
 except Exception:
-    pass
+    sys.exit(0)  # nothing listens (still starting, or already gone): nothing to drain
 gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-while time.monotonic() < deadline:
+while deadline - time.monotonic() > 0:
     try:
-        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(base + "/metrics", timeout=timeout()).read().decode()
     except Exception:
-        break
+        break  # the runtime finished its drain and exited
     busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(gauges))
     if busy == 0:
         break
-    time.sleep(1)
+    time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
 """.replace("RUNTIME_PORT", str(RUNTIME_PORT))
 
 
@@ -344,6 +363,8 @@ def _worker_pod_template(
         "startupProbe": _probe("/health/startup", PROBE_PERIOD_SECONDS, startup_failure_threshold(budget)),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/health/ready", 5, 3),
+        # A crash's last log lines land in the pod's status: Degraded quotes them.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "lifecycle": {
             "preStop": {
                 "exec": {"command": ["python3", "-c", DRAIN_SCRIPT, str(spec.runtime.drain_timeout_seconds)]}
@@ -441,6 +462,7 @@ def _stateful_set(
             "serviceName": pool_name(ref.name, component),
             # Starts take many minutes; ordered start-up would serialise them.
             "podManagementPolicy": "Parallel",
+            "minReadySeconds": WORKER_MIN_READY_SECONDS,
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(ref.name, component)},
             "template": _worker_pod_template(ref, spec, component, plan, budget, settings_hash, serving),
@@ -484,6 +506,11 @@ def _router_rbac(ref: DeploymentRef) -> list[dict[str, Any]]:
     ]
 
 
+def router_drain_seconds(spec: LLMDeploymentSpec) -> int:
+    """How long a stopping router lets in-flight streams run: as long as a worker lets them run."""
+    return max(1, spec.runtime.drain_timeout_seconds)
+
+
 def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> list[str]:
     args = [
         "router",
@@ -495,6 +522,10 @@ def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) ->
         spec.router.policy,
         "--namespace",
         ref.namespace,
+        "--shutdown-delay",
+        str(ROUTER_SHUTDOWN_DELAY_SECONDS),
+        "--drain-timeout",
+        str(router_drain_seconds(spec)),
     ]
     if plan.mode == "disaggregated":
         args += [
@@ -526,7 +557,10 @@ def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePl
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "resources": {part: _sorted(values) for part, values in sorted(resources.items()) if values},
         "livenessProbe": _probe("/health", 10, 3),
-        "readinessProbe": _probe("/health", 5, 3),
+        # Ready once it knows a worker that takes requests (its EndpointSlice watch has listed the
+        # pool and a health check passed): a new router pod in a rolling update never answers 503.
+        "readinessProbe": _probe("/health/ready", 5, 3),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # The router writes nothing to disk.
         "securityContext": {**_restricted_container_security(), "readOnlyRootFilesystem": True},
     }
@@ -537,12 +571,16 @@ def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePl
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": selector_labels(ref.name, "router")},
+            "minReadySeconds": ROUTER_MIN_READY_SECONDS,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": child_labels(ref.name, "router")},
                 "spec": {
                     "serviceAccountName": router_name(ref.name),
                     "securityContext": _non_root_user(),
+                    "terminationGracePeriodSeconds": ROUTER_SHUTDOWN_DELAY_SECONDS
+                    + router_drain_seconds(spec)
+                    + ROUTER_EXIT_GRACE_SECONDS,
                     "containers": [container],
                 },
             },

@@ -181,6 +181,8 @@ class Router:
         self.lag = LoopLagMonitor()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        # Set on SIGTERM: readiness answers 503 so the Service stops sending, requests are still served.
+        self.stopping = False
         for role, urls in config.static_members.items():
             self.set_members(role, set(urls))
 
@@ -259,7 +261,12 @@ class Router:
             {"status": "ok", "workers": len(self.pool.workers()), "routable": len(routable)}
         )
 
+    def in_flight(self) -> int:
+        return sum(w.in_flight for w in self.pool.workers())
+
     async def ready(self, request: web.Request) -> web.Response:
+        if self.stopping:
+            return web.json_response({"ready": False, "stopping": True}, status=503)
         roles: list[Role] = ["prefill", "decode"] if self.disaggregated else ["worker"]
         # A disaggregated router can still serve with no prefill worker (decode prefills locally).
         needed: list[Role] = ["decode"] if self.disaggregated else ["worker"]

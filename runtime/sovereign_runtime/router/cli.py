@@ -56,6 +56,21 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="larger request bodies get 413",
     )
+    parser.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM keep serving this long with /health/ready answering 503, so load balancers"
+        " (kube-proxy, an ingress) stop sending new connections before the listener closes",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="after the listener closes, how long in-flight requests (streams) may take to finish",
+    )
     add_read_deadline_flags(parser)
     parser.add_argument(
         "--disaggregation-threshold",
@@ -88,6 +103,10 @@ def validate_router_args(args: argparse.Namespace) -> str | None:
         return "router: --breaker-cooldown must be positive"
     if args.max_body_bytes < 1024:
         return "router: --max-body-bytes must be at least 1024"
+    if not args.shutdown_delay >= 0:
+        return "router: --shutdown-delay must be 0 or more seconds"
+    if not args.drain_timeout > 0:
+        return "router: --drain-timeout must be positive"
     return None
 
 
@@ -138,26 +157,63 @@ def run_router(args: argparse.Namespace) -> None:
         router.add_background(_prompt_checks(router))
 
     app.on_startup.append(start_discovery)
-    asyncio.run(serve_router(app, args.host, args.port))
+    asyncio.run(
+        serve_router(
+            app,
+            args.host,
+            args.port,
+            shutdown_delay_s=args.shutdown_delay,
+            drain_timeout_s=args.drain_timeout,
+            router=router,
+        )
+    )
 
 
-async def serve_router(app: web.Application, host: str, port: int) -> None:
-    """Serve until SIGTERM/SIGINT, then finish in-flight requests (up to 60 s) and stop. Not
-    `web.run_app`: its site cannot watch connections for slow clients (read_deadlines.py)."""
+async def serve_router(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_delay_s: float = 0.0,
+    drain_timeout_s: float = 60.0,
+    router: Router | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT; then keep serving `shutdown_delay_s` with readiness 503 (endpoints
+    take a moment to forget this pod), close the listener and let in-flight requests finish (up to
+    `drain_timeout_s`). Not `web.run_app`: its site cannot watch connections for slow clients
+    (read_deadlines.py). `stop` replaces the signals (tests)."""
+    log = logging.getLogger("sovereign_runtime.router")
     guard = app[DEADLINE_GUARD]
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=60.0, **guard.deadlines.runner_kwargs())
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=drain_timeout_s, **guard.deadlines.runner_kwargs()
+    )
     await runner.setup()
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:  # a test passes its own
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     try:
         site = DeadlineSite(runner, host, port, guard)
         await site.start()
-        logging.getLogger("sovereign_runtime.router").info("router listening on %s", site.name)
+        log.info("router listening on %s", site.name)
         await stop.wait()
+        if router is not None:
+            router.stopping = True
+        in_flight = router.in_flight() if router is not None else 0
+        log.info(
+            "router stopping: %d request(s) in flight; serving %g s more with readiness 503, then up to %g s"
+            " for in-flight requests",
+            in_flight,
+            shutdown_delay_s,
+            drain_timeout_s,
+        )
+        await asyncio.sleep(shutdown_delay_s)
     finally:
+        started = loop.time()
         await runner.cleanup()
+        log.info("router stopped in %.1f s after closing its listener", loop.time() - started)
 
 
 async def _prompt_checks(router: Router) -> None:
