@@ -2,7 +2,7 @@
 
 - create/update(spec)/resume of an LLMDeployment -> render + apply + status;
 - events of the children (StatefulSets, the router Deployment, pods) -> status, and re-apply when
-  a child was deleted;
+  a child was deleted; pod events also feed the startup monitor (phases of starting pods);
 - `mode: auto` is resolved from the nodes when the spec changes and then kept (status records
   it): switching modes replaces every pool, so node churn must not trigger it;
 - no delete handler, no timer and so no finalizer: owner references clean up;
@@ -34,6 +34,7 @@ from sovereign_operator.metrics import start_server
 from sovereign_operator.outputmonitor import OutputHealthMonitor
 from sovereign_operator.reconcile import Reconciler, RetryLater
 from sovereign_operator.render.plan import OperatorDefaults
+from sovereign_operator.startupmonitor import StartupMonitor
 from sovereign_operator.vocabulary import INSTANCE_LABEL, owned_labels
 
 OWNED = owned_labels()
@@ -52,6 +53,7 @@ class OperatorState:
     reconciler: Reconciler | None = None
     events: EventPoster | None = None
     loop: OperatorLoop | None = None
+    startup: StartupMonitor | None = None
     servers: list[Any] = field(default_factory=list)
 
 
@@ -89,14 +91,23 @@ def assemble(
     # Degraded follows OutputHealthy too; the autoscaler counts failing pods as no capacity.
     output = OutputHealthMonitor(kube, autoscaler.http_session, post_event=events.post, on_change=refresh)
     autoscaler.output_failing = output.failing
+    # Phases of starting pods (fed by the pod watch below); status names them, Events name restarts.
+    startup = StartupMonitor(autoscaler.http_session, post_event=events.post, on_change=refresh)
+    reconciler.pod_memory = startup.lives
 
     def bodies() -> Iterator[Mapping[str, Any]]:
         return (body for store in served.values() for body in store)
 
     loop = OperatorLoop(
-        bodies, autoscaler, monitor, output_monitor=output, download_monitor=DownloadMonitor(reconcile)
+        bodies,
+        autoscaler,
+        monitor,
+        output_monitor=output,
+        download_monitor=DownloadMonitor(reconcile),
+        startup_monitor=startup,
     )
     STATE.kube, STATE.events, STATE.reconciler, STATE.loop = kube, events, reconciler, loop
+    STATE.startup = startup
     return events, loop
 
 
@@ -197,4 +208,7 @@ async def deployment_event(event: kopf.RawEvent, body: kopf.Body, logger: loggin
 
 @kopf.on.event("", "v1", "pods", labels=OWNED)
 async def pod_event(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    # The startup monitor first: the status refresh below reads what it remembers of the pod.
+    if STATE.startup is not None and isinstance(event.get("object"), Mapping):
+        STATE.startup.pod_event(event.get("type"), event["object"])
     await _child_changed(event, body, logger)

@@ -8,7 +8,8 @@ previous round is still running is skipped. The autoscaler skips rounds until th
 reads the prefill and decode pods' `/health/kv` every KV_INTERVAL_S and keeps `KVTransferHealthy`;
 the output-health monitor reads every worker pod's `/health/startup` (its self-test) every
 OUTPUT_INTERVAL_S, keeps `OutputHealthy` and, when the spec allows, restarts a failing pod; the
-download monitor reconciles a huggingFace source every DOWNLOAD_INTERVAL_S while its download runs.
+download monitor reconciles a huggingFace source every DOWNLOAD_INTERVAL_S while its download runs;
+the startup monitor reads the phase of pods still starting every round (startupmonitor.py).
 
 Not a `@kopf.timer`: kopf puts a finalizer on every object a timer serves, and a namespace-restricted
 kopf stops serving a namespace marked for deletion before releasing those finalizers, so deleting
@@ -28,6 +29,7 @@ from sovereign_operator.autoscale.controller import AutoscaleController
 from sovereign_operator.downloadmonitor import DownloadMonitor
 from sovereign_operator.kvmonitor import KVHealthMonitor
 from sovereign_operator.outputmonitor import OutputHealthMonitor
+from sovereign_operator.startupmonitor import StartupMonitor
 
 TICK_SECONDS = 5.0
 # What a spec without `autoscaling.intervalSeconds` gets: the CRD's default, as the policy's.
@@ -53,6 +55,7 @@ class OperatorLoop:
         *,
         output_monitor: OutputHealthMonitor | None = None,
         download_monitor: DownloadMonitor | None = None,
+        startup_monitor: StartupMonitor | None = None,
         tick_s: float = TICK_SECONDS,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -61,6 +64,7 @@ class OperatorLoop:
         self.kv_monitor = kv_monitor
         self.output_monitor = output_monitor
         self.download_monitor = download_monitor
+        self.startup_monitor = startup_monitor
         self.tick_s = tick_s
         self.log = logger or logging.getLogger(__name__)
         self.rounds: dict[Key, asyncio.Task[None]] = {}
@@ -108,6 +112,8 @@ class OperatorLoop:
                 self.output_monitor.forget(*key)
             if self.download_monitor is not None:
                 self.download_monitor.forget(*key)
+            if self.startup_monitor is not None:
+                self.startup_monitor.forget(*key)
 
     async def _isolated(self, key: Key, body: Mapping[str, Any]) -> None:
         try:
@@ -118,12 +124,18 @@ class OperatorLoop:
     async def round(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
         """One object's round: output health and KV health when due, autoscaling when its interval
         has passed (after output health, so it sees which pods fail their self-test). A failed part
-        is skipped until the next round, never retried in a hot loop."""
+        is skipped until the next round, never retried in a hot loop. Starting pods are read every
+        round (a short startup budget must not run out between two reads)."""
         if self.download_monitor is not None and self.download_monitor.due(namespace, name, body):
             try:
                 await self.download_monitor.tick(namespace, name, body)
             except Exception as error:
                 self.log.warning("model download round for %s/%s failed: %s", namespace, name, error)
+        if self.startup_monitor is not None:
+            try:
+                await self.startup_monitor.tick(namespace, name, body)
+            except Exception as error:
+                self.log.warning("startup round for %s/%s failed: %s", namespace, name, error)
         if self.output_monitor is not None and self.output_monitor.due(namespace, name):
             try:
                 await self.output_monitor.tick(namespace, name, body)

@@ -6,6 +6,7 @@ so tests drive this without a cluster. Reasons and messages say what is wrong an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,16 @@ from sovereign_operator.api.status import (
     PoolsStatus,
     PoolStatus,
 )
+from sovereign_operator.podstatus import (
+    BudgetFacts,
+    LifeMemory,
+    PodProblem,
+    container_statuses,
+    current_life,
+    observed_startup_seconds,
+    pod_problems,
+    readiness_failing,
+)
 from sovereign_operator.render import Rendered
 from sovereign_operator.vocabulary import (
     DEGRADED,
@@ -26,20 +37,18 @@ from sovereign_operator.vocabulary import (
     PROGRESSING,
     READY,
     RECONCILER_CONDITIONS,
+    WORKER_COMPONENTS,
+    parse_rfc3339,
+    pod_component,
 )
 
 # Degraded's reason while KVTransferHealthy is False (the message carries the condition's own).
 KV_UNHEALTHY = "KVTransferUnhealthy"
 # Degraded's reason while OutputHealthy is False (pods failing their output self-test).
 OUTPUT_UNHEALTHY = "OutputUnhealthy"
-# Waiting reasons of a container that need a person, not patience.
-_STUCK_WAITING = {
-    "CrashLoopBackOff",
-    "ImagePullBackOff",
-    "ErrImagePull",
-    "CreateContainerConfigError",
-    "InvalidImageName",
-}
+# Pods named in a message beside the first problem, and starting pods named in Progressing.
+MORE_PROBLEMS_NAMED = 3
+STARTING_PODS_NAMED = 4
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,8 @@ class Observed:
     statefulsets: dict[str, dict[str, Any]] = field(default_factory=dict)
     router: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
+    # What the startup monitor remembers of each container life (podstatus.LifeMemory), by life id.
+    lives: Mapping[str, LifeMemory] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,45 +79,46 @@ def _condition(
     )
 
 
-def _pool_status(desired: int, statefulset: dict[str, Any] | None) -> PoolStatus:
+def _pool_status(desired: int, statefulset: dict[str, Any] | None, pods: list[dict[str, Any]]) -> PoolStatus:
     observed = (statefulset or {}).get("status") or {}
+    startups = [s for s in (observed_startup_seconds(p) for p in pods) if s is not None]
     return PoolStatus(
         desired_replicas=desired,
         replicas=int(observed.get("replicas") or 0),
         ready_replicas=int(observed.get("readyReplicas") or 0),
         updated_replicas=int(observed.get("updatedReplicas") or 0),
+        observed_startup_seconds=max(startups) if startups else None,
     )
 
 
-def _pod_problems(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(reason, message) for pods that will not become ready without someone acting."""
-    problems = []
+def _problem_message(problems: list[PodProblem]) -> str:
+    """The first problem's message, naming the others briefly (stable while the set is)."""
+    message = problems[0].message
+    rest = problems[1:]
+    if rest:
+        named = ", ".join(f"{p.reason} on {p.pod}" for p in rest[:MORE_PROBLEMS_NAMED])
+        more = f" and {len(rest) - MORE_PROBLEMS_NAMED} more" if len(rest) > MORE_PROBLEMS_NAMED else ""
+        message += f" (also {named}{more})"
+    return message
+
+
+def _starting(pods: list[dict[str, Any]], lives: Mapping[str, LifeMemory]) -> str:
+    """`; starting: POD PHASE, ...` for worker pods whose runtime runs but has not started."""
+    parts = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        name = pod["metadata"]["name"]
-        status = pod.get("status") or {}
-        for condition in status.get("conditions") or []:
-            if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
-                detail = condition.get("message", "").strip().rstrip(".")
-                problems.append(
-                    (
-                        "Unschedulable",
-                        f"pod {name} cannot be scheduled: {detail}. Check that nodes offer the GPUs and RDMA"
-                        " devices the pool requests (kubectl describe pod), or lower the pool's resources.",
-                    )
-                )
-        for container in status.get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in _STUCK_WAITING:
-                detail = waiting.get("message", "").strip()
-                problems.append(
-                    (
-                        waiting["reason"],
-                        f"pod {name} container {container.get('name')} is in {waiting['reason']}"
-                        + (f": {detail}" if detail else "")
-                        + "; see kubectl logs --previous and kubectl describe pod.",
-                    )
-                )
-    return problems
+        if pod_component(pod) not in WORKER_COMPONENTS or pod["metadata"].get("deletionTimestamp"):
+            continue
+        for status in container_statuses(pod):
+            life = current_life(pod, status)
+            if life is None or status.get("started") is True:
+                continue
+            report = (lives.get(life) or LifeMemory()).last_report
+            parts.append(f"{pod['metadata']['name']} {report.phase if report else 'starting'}")
+            break
+    if not parts:
+        return ""
+    more = f" and {len(parts) - STARTING_PODS_NAMED} more" if len(parts) > STARTING_PODS_NAMED else ""
+    return f"; starting: {', '.join(parts[:STARTING_PODS_NAMED])}{more}"
 
 
 def _is_rolling(statefulset: dict[str, Any] | None, desired: int) -> bool:
@@ -154,7 +166,8 @@ def compute_status(
 
     pools: dict[str, PoolStatus] = {}
     for component, desired in rendered.replicas.items():
-        pool = _pool_status(desired, observed.statefulsets.get(component))
+        members = [p for p in observed.pods if pod_component(p) == component]
+        pool = _pool_status(desired, observed.statefulsets.get(component), members)
         old = getattr(before.pools, component, None) if before.pools else None
         # The autoscaler owns its sub-object; carry it over untouched.
         pools[component] = pool.model_copy(update={"autoscaler": old.autoscaler if old else None})
@@ -168,7 +181,10 @@ def compute_status(
     all_ready = all(p.ready_replicas >= p.desired_replicas for p in pools.values()) and router_ready >= 1
     rolling = [c for c, p in pools.items() if _is_rolling(observed.statefulsets.get(c), p.desired_replicas)]
 
-    pod_problems = _pod_problems(observed.pods)
+    budget = BudgetFacts(rendered.budget.seconds, rendered.budget.overridden)
+    hard = pod_problems(observed.pods, observed.lives, budget)
+    at = parse_rfc3339(now)
+    soft = readiness_failing(observed.pods, at) if at is not None else []
     # Written by the KV-health monitor; counts only while the deployment is disaggregated.
     kv_failing = next((c for c in conditions if c.type == KV_TRANSFER_HEALTHY and c.status == "False"), None)
     if rendered.plan.mode != "disaggregated":
@@ -186,11 +202,8 @@ def compute_status(
             f"downloading {model.repo}@{model.revision} failed: {model.message}"
             + (" (retried with backoff)" if model.phase == "Retrying" else ""),
         )
-    elif pod_problems:
-        reason, message = pod_problems[0]
-        if len(pod_problems) > 1:
-            message += f" ({len(pod_problems) - 1} more pod problem(s))"
-        degraded = cond(DEGRADED, "True", reason, message)
+    elif hard:
+        degraded = cond(DEGRADED, "True", hard[0].reason, _problem_message(hard))
     elif output_failing is not None:
         # Pods are out of the Service because their output is wrong; the message names them.
         degraded = cond(
@@ -200,6 +213,8 @@ def compute_status(
         # Serving, but not the way the spec asked (REFERENCE: RDMA trouble must not hide behind
         # Ready): Ready stays True, Degraded says what the KV transfer is doing.
         degraded = cond(DEGRADED, "True", KV_UNHEALTHY, f"{kv_failing.reason}: {kv_failing.message}")
+    elif soft:
+        degraded = cond(DEGRADED, "True", soft[0].reason, _problem_message(soft))
     else:
         degraded = cond(DEGRADED, "False", "AsExpected", "no problems observed")
 
@@ -216,6 +231,7 @@ def compute_status(
         )
     else:
         ready = cond(READY, "False", "ReplicasNotReady", f"{summary}")
+    starting = _starting(observed.pods, observed.lives)
     downloading = model is not None and model.phase != "Complete"
     if downloading and model is not None and model.phase == "Failed":
         progressing = cond(
@@ -232,10 +248,10 @@ def compute_status(
             "True",
             "RollingOut",
             f"updating {', '.join(rolling)}; pods get up to {rendered.budget.seconds} s to start"
-            " (startupProbe budget)",
+            f" (startupProbe budget){starting}",
         )
     elif not all_ready:
-        progressing = cond(PROGRESSING, "True", "Starting", f"waiting for replicas: {summary}")
+        progressing = cond(PROGRESSING, "True", "Starting", f"waiting for replicas: {summary}{starting}")
     else:
         progressing = cond(PROGRESSING, "False", "Stable", "all pools match the spec")
 

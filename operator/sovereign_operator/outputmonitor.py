@@ -34,6 +34,7 @@ from sovereign_operator.speculation import (
 )
 from sovereign_operator.vocabulary import (
     OUTPUT_HEALTHY,
+    WORKER_COMPONENTS,
     condition,
     conditions_patch,
     find_condition,
@@ -46,7 +47,6 @@ from sovereign_operator.vocabulary import (
 log = logging.getLogger(__name__)
 STARTUP_PATH = "/health/startup"
 OUTPUT_INTERVAL_S = 15.0
-WORKER_COMPONENTS = ("prefill", "decode", "unified")
 
 # post_event(deployment body, type "Normal"|"Warning", reason, message): events.EventPoster.post
 PostEvent = Callable[[Mapping[str, Any], str, str, str], None]

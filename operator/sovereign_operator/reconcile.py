@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from sovereign_operator import metrics
@@ -22,6 +22,7 @@ from sovereign_operator.api.spec import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus
 from sovereign_operator.modeldownload import JobView, assess, facts_from_status
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
+from sovereign_operator.podstatus import LifeMemory
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
 from sovereign_operator.render.modelcache import CONTAINER, ModelFacts, cache_objects
 from sovereign_operator.render.plan import OperatorDefaults, sticky_plan, with_operator_defaults
@@ -136,8 +137,11 @@ class Reconciler:
         report_problem: Callable[[Mapping[str, Any], Problem], None] | None = None,
         defaults: OperatorDefaults | None = None,
         max_concurrent_applies: int = MAX_CONCURRENT_APPLIES,
+        pod_memory: Callable[[str, str], Mapping[str, LifeMemory]] | None = None,
     ) -> None:
         self.kube = kube
+        # What the startup monitor remembers of each container life (phases, started), for status.
+        self.pod_memory = pod_memory or (lambda namespace, name: {})
         self.defaults = defaults or OperatorDefaults()
         self.clock = clock
         # Called for every problem a person must fix; the kopf adapter posts an Event.
@@ -363,6 +367,7 @@ class Reconciler:
             return False  # a newer spec is on its way through reconcile
         current = live.get("status") or {}
         observed = await self.kube.observe(*key) if outcome.rendered is not None else Observed()
+        observed = replace(observed, lives=self.pod_memory(*key))
         try:
             previous = LLMDeploymentStatus.model_validate(current)
         except ValueError:

@@ -22,6 +22,8 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # The runtime's HTTP port in every worker pod (OpenAI API, /metrics, /health/*).
 RUNTIME_PORT = 8000
+# Components whose pods run the runtime's `serve` (the router's pods do not).
+WORKER_COMPONENTS = ("prefill", "decode", "unified")
 
 
 def pool_name(deployment: str, component: str) -> str:

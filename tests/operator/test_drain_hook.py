@@ -55,7 +55,7 @@ class StubRuntime:
                 self.end_headers()
                 self.wfile.write(body.encode())
 
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_POST(self) -> None:
                 stub.drain_calls += 1
                 if stub.mode == "hangs":
                     time.sleep(30)
@@ -64,7 +64,7 @@ class StubRuntime:
                     return
                 self._answer(202, '{"status": "draining"}')
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 stub.metrics_calls += 1
                 running = 0 if stub.mode == "drains" and stub.metrics_calls > 1 else 1
                 self._answer(

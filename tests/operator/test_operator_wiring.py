@@ -57,9 +57,11 @@ def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> Non
     from operator_specs import TINY_SPEC
     from sovereign_operator import handlers
     from sovereign_operator.reconcile import Reconciler
+    from sovereign_operator.startupmonitor import StartupMonitor
 
     kube = FakeKube(body_for(TINY_SPEC))
     handlers.STATE.reconciler = Reconciler(kube)
+    handlers.STATE.startup = StartupMonitor(lambda: None)  # type: ignore[arg-type,return-value]
     log = logging.getLogger("test")
     labels = {"app.kubernetes.io/instance": "llm", "app.kubernetes.io/managed-by": "sovereign-operator"}
 
@@ -67,7 +69,20 @@ def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> Non
         await handlers.STATE.reconciler.reconcile(kube.body)
         applies = kube.applies
         pod = {"kind": "Pod", "metadata": {"name": "llm-unified-0", "namespace": "ns", "labels": labels}}
-        await handlers.pod_event({"type": "DELETED"}, pod, log)
+        starting = {
+            **pod,
+            "metadata": {**pod["metadata"], "labels": {**labels, "app.kubernetes.io/component": "unified"}},
+            "status": {
+                "containerStatuses": [{"name": "runtime", "containerID": "c://1", "state": {"running": {}}}]
+            },
+        }
+        # Pod events feed the startup monitor (what status says of starting pods) before the refresh.
+        await handlers.pod_event({"type": "ADDED", "object": starting}, starting, log)
+        assert [p["metadata"]["name"] for p, _ in handlers.STATE.startup.starting("ns", "llm")] == [
+            "llm-unified-0"
+        ]
+        await handlers.pod_event({"type": "DELETED", "object": pod}, pod, log)
+        assert handlers.STATE.startup.starting("ns", "llm") == []
         assert kube.applies == applies
         del kube.children[("StatefulSet", "llm-unified")]
         sts = {
@@ -81,6 +96,7 @@ def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> Non
         asyncio.run(scenario())
     finally:
         handlers.STATE.reconciler = None
+        handlers.STATE.startup = None
 
 
 def test_run_gives_kopf_the_namespaces_whose_index_feeds_the_loop(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -86,6 +86,11 @@ class PoolStatus(ApiModel):
     replicas: int = Field(0, description="Pods the StatefulSet has.")
     ready_replicas: int = Field(0, description="Pods that are Ready.")
     updated_replicas: int = Field(0, description="Pods at the StatefulSet's current revision.")
+    observed_startup_seconds: int | None = Field(
+        None,
+        description="The longest start among the pool's Ready pods: container start to Ready, in"
+        " seconds; compare with startupBudget.seconds (docs/startup.md).",
+    )
     autoscaler: AutoscalerStatus | None = Field(
         None, description="The autoscaler's latest decision, when the pool is autoscaled."
     )
