@@ -88,7 +88,29 @@ def test_operator_can_run_its_own_loop() -> None:
     assert {"get", "list", "watch", "patch"} <= _allowed("sovereign.ai", "llmdeployments")
     assert "patch" in _allowed("sovereign.ai", "llmdeployments/status")
     assert "update" in _allowed("sovereign.ai", "llmdeployments/finalizers")
-    assert {"list", "watch"} <= _allowed("", "pods") and {"list", "watch"} <= _allowed("", "nodes")
+    assert {"list", "watch", "delete"} <= _allowed("", "pods") and "list" in _allowed("", "nodes")
     assert _allowed("", "pods/log") == {"get"}  # a download's progress line, read-only
     assert "create" in _allowed("", "events")
     assert "update" not in _allowed("sovereign.ai", "llmdeployments"), "the operator never writes spec"
+
+
+def test_nothing_beyond_what_the_operator_does() -> None:
+    # Status is merge-patched, Events created, nodes listed once per spec change: no update, no
+    # watch of nodes, no writes of events; never Secrets, exec or anything cluster-scoped it writes.
+    assert _allowed("sovereign.ai", "llmdeployments/status") == {"patch"}
+    assert _allowed("", "nodes") == {"list"}
+    assert _allowed("", "events") == {"create"}
+    assert not _allowed("events.k8s.io", "events")
+    for group, resource in [
+        ("", "secrets"),
+        ("", "pods/exec"),
+        ("", "pods/portforward"),
+        ("", "pods/attach"),
+    ]:
+        assert not _allowed(group, resource), resource
+    for group, resource in [
+        ("", "nodes"),
+        ("", "namespaces"),
+        ("apiextensions.k8s.io", "customresourcedefinitions"),
+    ]:
+        assert _allowed(group, resource) <= {"get", "list", "watch"}, resource

@@ -145,8 +145,16 @@ def test_install_creates_every_object(cluster: Cluster, release: dict[str, str])
     role = cluster.get("clusterrole", name)
     rules = yaml.safe_load((CHART / "files" / "operator-rbac-rules.yaml").read_text())
     assert len(role["rules"]) == len(rules["rules"] if isinstance(rules, dict) else rules)
-    binding = cluster.get("clusterrolebinding", name)
+    # The release watches its own namespace only: the rules are bound there, not cluster-wide.
+    binding = cluster.get("-n", ns, "rolebinding", name)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": name,
+    }
     assert binding["subjects"][0] == {"kind": "ServiceAccount", "name": name, "namespace": ns}
+    reads = cluster.get("clusterrolebinding", f"{name}-cluster")
+    assert reads["subjects"][0] == {"kind": "ServiceAccount", "name": name, "namespace": ns}
     notes = cluster.helm("get", "notes", release["name"], "--namespace", ns).stdout
     assert f"rollout status deployment/{name}" in notes and f"{name}-argocd-health" in notes
 
@@ -221,7 +229,8 @@ def as_operator(cluster: Cluster, release: dict[str, str], *args: str, stdin: st
 def test_chart_rbac_grants_the_operators_verbs(
     cluster: Cluster, release: dict[str, str], verb: str, resource: str
 ):
-    proc = as_operator(cluster, release, "auth", "can-i", verb, resource, "--all-namespaces")
+    # In the namespace it watches (tests/cluster/test_operator_rbac.py has the whole matrix).
+    proc = as_operator(cluster, release, "auth", "can-i", verb, resource, "-n", release["namespace"])
     assert proc.stdout.strip() == "yes", (
         f"{release['sa']} cannot {verb} {resource}: {proc.stdout}{proc.stderr}"
     )

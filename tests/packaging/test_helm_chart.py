@@ -409,6 +409,45 @@ def test_cluster_role_rules_equal_the_rules_file(default_docs: list[dict]):
     ]
 
 
+def test_watched_namespaces_bind_the_rules_there_only(helm: str):
+    docs = render(helm, "operator.watchNamespaces={team-a,team-b}")
+    rules = yaml.safe_load(RBAC_RULES.read_text())
+    rules = rules["rules"] if isinstance(rules, dict) else rules
+    main = one(docs, "ClusterRole", "rel-sovereign")
+    assert main["rules"] == rules
+    # No cluster-wide binding of the main rules: one RoleBinding per watched namespace.
+    bindings = [b for b in by_kind(docs, "RoleBinding") if b["roleRef"]["name"] == main["metadata"]["name"]]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert all(b["roleRef"]["kind"] == "ClusterRole" for b in bindings)
+    (cluster_binding,) = by_kind(docs, "ClusterRoleBinding")
+    cluster_role = one(docs, "ClusterRole", "-cluster")
+    assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    # Cluster-wide only what has no namespace, and only reads.
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
+        "nodes",
+        "namespaces",
+        "customresourcedefinitions",
+    }
+    assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} <= {"get", "list", "watch"}
+    for rule in cluster_role["rules"]:
+        (resource,) = rule["resources"]
+        assert any(
+            resource in r["resources"] and r["verbs"] == rule["verbs"] and r["apiGroups"] == rule["apiGroups"]
+            for r in rules
+        )
+
+
+def test_operator_runs_from_its_image_with_the_pull_policy_a_value_sets(helm: str, default_docs: list[dict]):
+    (container,) = one(default_docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert container["image"] == f"ghcr.io/sovereign-ai/sovereign-operator:{version}"
+    assert container["imagePullPolicy"] == "IfNotPresent" == values()["image"]["pullPolicy"]
+    (never,) = one(render(helm, "image.pullPolicy=Never"), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert never["imagePullPolicy"] == "Never"
+
+
 def _operator_env(docs: list[dict]) -> dict[str, Any]:
     (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     return {e["name"]: e.get("value") for e in container["env"]}

@@ -49,3 +49,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "sovereign.runtimeImage" -}}
 {{- printf "%s:%s" .Values.runtimeImage.repository (default .Chart.AppVersion .Values.runtimeImage.tag) -}}
 {{- end -}}
+
+{{/* Non-empty when operator.watchNamespaces names namespaces (the schema admits names only): the
+     operator's rules are then bound in those namespaces only. */}}
+{{- define "sovereign.namespacedRBAC" -}}
+{{- if .Values.operator.watchNamespaces -}}true{{- end -}}
+{{- end -}}
