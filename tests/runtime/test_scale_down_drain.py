@@ -194,9 +194,11 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
             command = [str(BIN / container["command"][0]), *container["command"][1:], *args]
             proc, log = start([*command, "--max-num-seqs", "2"], f"worker-{i}")
             started.append((f"http://127.0.0.1:{port}", proc, log))
+        logs: dict[str, Path] = {}
         for url, proc, log in started:
             _wait_ready(url + container["readinessProbe"]["httpGet"]["path"], proc, log)
             workers.append((url, proc))
+            logs[url] = log
         router = f"http://127.0.0.1:{router_port}"
         rproc, rlog = start(
             [
@@ -224,6 +226,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "pre_stop": container["lifecycle"]["preStop"]["exec"]["command"],
             "grace_s": float(pod["terminationGracePeriodSeconds"]),
             "env": env,
+            "logs": logs,
         }
     finally:
         for proc in procs:
@@ -288,6 +291,10 @@ def test_scale_down_runs_the_rendered_prestop_and_drops_no_request(cluster: dict
         pool.shutdown(wait=True, cancel_futures=True)
 
     assert rc == 0 and stopped_s < grace, (rc, stopped_s, grace)
+    # What `kubectl logs` shows of it: the hook's drain with the work in flight, and its end.
+    log = cluster["logs"][url].read_text()
+    assert f"drain started (POST /drain): {int(busy0[url])} request(s) in flight" in log, log[-2000:]
+    assert "drain finished in " in log and f"all {int(busy0[url])} in-flight request(s) completed" in log
     # Every request finished completely: 200, [DONE], a finish reason, full usage, no error event.
     for s in before + after:
         assert s.status == 200 and s.done and not s.errors, (s.status, s.errors)
