@@ -269,6 +269,7 @@ def test_rolling_updates_leave_the_router_a_worker_and_a_router_to_clients() -> 
         float(_arg(container, "--drain-timeout") or 0),
     )
     assert delay >= 1 and drain == 90
+    assert float(_arg(container, "--wait-for-worker") or 0) >= 30  # a one-replica pool restarting
     assert pod["terminationGracePeriodSeconds"] > delay + drain
     for each in (container, _container(statefulset)):
         assert each["terminationMessagePolicy"] == "FallbackToLogsOnError"

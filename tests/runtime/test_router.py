@@ -206,6 +206,7 @@ def _parse(*argv: str) -> argparse.Namespace:
         (("--worker", "http://a", "--max-body-bytes", "10"), "--max-body-bytes"),
         (("--worker", "http://a", "--shutdown-delay", "-1"), "--shutdown-delay"),
         (("--worker", "http://a", "--drain-timeout", "0"), "--drain-timeout"),
+        (("--worker", "http://a", "--wait-for-worker", "-2"), "--wait-for-worker"),
     ],
 )
 def test_router_flags_are_validated(argv: tuple[str, ...], fragment: str) -> None:
@@ -654,6 +655,83 @@ def test_failure_mid_stream_ends_with_an_error_event() -> None:
                 assert text.startswith('data: {"text": "a"}')
                 assert '"upstream_error"' in text and text.endswith("data: [DONE]\n\n")
                 assert len(worker.requests) == 1  # never retried once bytes flowed
+
+    run(scenario())
+
+
+def test_a_request_waits_for_the_worker_that_replaces_a_draining_one() -> None:
+    """A one-replica pool in a rolling update: its pod drains (503), the new pod appears at another
+    address a moment later. With --wait-for-worker the request is held and answered by the new pod,
+    and the router stays Ready meanwhile; with nothing appearing it ends in a 503 that says so."""
+
+    async def scenario() -> None:
+        old, new = StubWorker("old"), StubWorker("new")
+        async with serve_app(old.app) as url_old, serve_app(new.app) as url_new:
+            async with (
+                router_over({"worker": [url_old]}, wait_for_worker_s=2.0) as (url, router),
+                aiohttp.ClientSession() as client,
+            ):
+                old.ready_status = 503  # draining; the router has not checked it yet
+
+                async def old_drains(request: web.Request, payload: dict) -> web.Response:
+                    return web.json_response({"error": {"message": "draining"}}, status=503)
+
+                old.behaviour = old_drains
+
+                async def replace() -> None:
+                    await asyncio.sleep(0.5)
+                    router.set_members("worker", set())  # the old pod's endpoint is terminating
+                    async with client.get(f"{url}/health/ready") as resp:
+                        assert resp.status == 200 and (await resp.json())["holding_up_to_s"] == 2.0
+                    await asyncio.sleep(0.3)
+                    router.set_members("worker", {url_new})  # the new pod is Ready
+
+                replacing = asyncio.create_task(replace())
+                started = time.monotonic()
+                async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                    assert resp.status == 200 and (await resp.json())["worker"] == "new"
+                await replacing
+                assert 0.7 <= time.monotonic() - started < 2
+                assert len(old.requests) == 1 and len(new.requests) == 1
+
+                router.set_members("worker", set())
+                async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                    assert resp.status == 503
+                    assert "waited 2 s" in (await resp.json())["error"]["message"]
+
+    run(scenario())
+
+
+def test_waiting_is_bounded_and_off_by_default() -> None:
+    async def scenario() -> None:
+        async with (
+            router_over({"worker": []}, wait_for_worker_s=10.0, max_waiting_requests=0) as (url, _),
+            aiohttp.ClientSession() as client,
+        ):
+            started = time.monotonic()
+            async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.status == 503 and time.monotonic() - started < 2  # no room to wait
+        async with router_over({"worker": []}) as (url, _), aiohttp.ClientSession() as client:
+            async with client.get(f"{url}/health/ready") as resp:
+                assert resp.status == 503  # nothing to route to and no waiting: not ready
+            started = time.monotonic()
+            async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.status == 503 and time.monotonic() - started < 2
+
+    run(scenario())
+
+
+def test_a_discovering_router_is_not_ready_until_its_first_listing() -> None:
+    async def scenario() -> None:
+        worker = StubWorker("w")
+        async with serve_app(worker.app) as url_w, router_over({}, wait_for_worker_s=5.0) as (url, router):
+            router.expect_discovery("worker")
+            async with aiohttp.ClientSession() as client:
+                async with client.get(f"{url}/health/ready") as resp:
+                    assert resp.status == 503 and (await resp.json())["discovering"] == ["worker"]
+                router.set_members("worker", {url_w})
+                async with client.get(f"{url}/health/ready") as resp:
+                    assert resp.status == 200
 
     run(scenario())
 

@@ -73,6 +73,9 @@ WORKER_MIN_READY_SECONDS = 10
 ROUTER_MIN_READY_SECONDS = 5
 ROUTER_SHUTDOWN_DELAY_SECONDS = 5
 ROUTER_EXIT_GRACE_SECONDS = 15
+# While no worker can take a request (a one-replica pool whose pod restarts in a rolling update, every
+# worker draining), the router holds it this long for one instead of answering 503 at once.
+ROUTER_WAIT_FOR_WORKER_SECONDS = 60
 # The router holds connections and a prefix tree of bounded size (2 M characters per pool): a memory
 # limit stops a leak or a flood from taking the node down with it. No CPU limit: throttling the router
 # would delay every request (its health checks measure their own lateness for the same reason).
@@ -522,6 +525,8 @@ def _router_args(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) ->
         spec.router.policy,
         "--namespace",
         ref.namespace,
+        "--wait-for-worker",
+        str(ROUTER_WAIT_FOR_WORKER_SECONDS),
         "--shutdown-delay",
         str(ROUTER_SHUTDOWN_DELAY_SECONDS),
         "--drain-timeout",
@@ -557,8 +562,8 @@ def _router_deployment(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePl
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "resources": {part: _sorted(values) for part, values in sorted(resources.items()) if values},
         "livenessProbe": _probe("/health", 10, 3),
-        # Ready once it knows a worker that takes requests (its EndpointSlice watch has listed the
-        # pool and a health check passed): a new router pod in a rolling update never answers 503.
+        # Ready once its EndpointSlice watch has listed the pools (a new router pod in a rolling update
+        # knows the workers before it gets traffic), and not while it stops.
         "readinessProbe": _probe("/health/ready", 5, 3),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # The router writes nothing to disk.

@@ -83,6 +83,11 @@ class RouterConfig:
     # with no cached prefix are prefilled on the decode worker: a transfer would cost more than it saves.
     disaggregation_threshold_chars: int = 512
     static_members: dict[Role, list[str]] = field(default_factory=dict)
+    # When no worker can take a request (a one-replica pool restarting, every worker draining), hold it
+    # up to this long for one to appear instead of answering 503 at once; 0: answer at once. At most
+    # `max_waiting_requests` wait; more get 503.
+    wait_for_worker_s: float = 0.0
+    max_waiting_requests: int = 256
     # How long a client may take to send a request's headers and body, and to stay idle between requests.
     read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
 
@@ -183,11 +188,19 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         # Set on SIGTERM: readiness answers 503 so the Service stops sending, requests are still served.
         self.stopping = False
+        # Roles whose members come from discovery and have not been listed yet: not ready until they are.
+        self._unsynced: set[Role] = set()
+        self.waiting = 0
         for role, urls in config.static_members.items():
             self.set_members(role, set(urls))
 
     # ---- membership -------------------------------------------------------------------------------
+    def expect_discovery(self, role: Role) -> None:
+        """Members of `role` come from a watch: the router is not ready before its first listing."""
+        self._unsynced.add(role)
+
     def set_members(self, role: Role, urls: set[str]) -> None:
+        self._unsynced.discard(role)
         for gone in self.pool.set_members(role, {u.rstrip("/") for u in urls}):
             self.policies[role].forget(gone)
         self.metrics.refresh_workers(self.pool)
@@ -265,14 +278,44 @@ class Router:
         return sum(w.in_flight for w in self.pool.workers())
 
     async def ready(self, request: web.Request) -> web.Response:
+        """200 while the router takes requests usefully: it knows its workers (discovery listed them)
+        and one can serve, or it holds requests for one (`wait_for_worker_s`)."""
         if self.stopping:
             return web.json_response({"ready": False, "stopping": True}, status=503)
+        if self._unsynced:
+            return web.json_response({"ready": False, "discovering": sorted(self._unsynced)}, status=503)
         roles: list[Role] = ["prefill", "decode"] if self.disaggregated else ["worker"]
         # A disaggregated router can still serve with no prefill worker (decode prefills locally).
         needed: list[Role] = ["decode"] if self.disaggregated else ["worker"]
-        ok = all(self.pool.routable(r) for r in needed)
-        body = {r: len(self.pool.routable(r)) for r in roles}
+        serving = all(self.pool.routable(r) for r in needed)
+        body: dict[str, object] = {r: len(self.pool.routable(r)) for r in roles}
+        if not serving and self.config.wait_for_worker_s > 0:
+            body["holding_up_to_s"] = self.config.wait_for_worker_s
+        ok = serving or self.config.wait_for_worker_s > 0
         return web.json_response({"ready": ok, **body}, status=200 if ok else 503)
+
+    async def _candidates(self, tried: list[Worker], deadline: float) -> tuple[Role, list[Worker]]:
+        """The role to route to and its routable workers not tried yet; with none, wait for one until
+        `deadline` (loop time), checking as discovery and health checks change the pool. A worker that
+        left the pool and came back (a restarted pod at the same address) counts as new."""
+        loop = asyncio.get_running_loop()
+        waiting = False
+        try:
+            while True:
+                role: Role = "decode" if self.disaggregated else "worker"
+                exclude = {w.url for w in tried if self.pool.get(w.url) is w}
+                candidates = self.pool.routable(role, exclude=exclude)
+                if candidates or loop.time() >= deadline:
+                    return role, candidates
+                if not waiting:
+                    if self.waiting >= self.config.max_waiting_requests:
+                        return role, []
+                    waiting = True
+                    self.waiting += 1
+                await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+        finally:
+            if waiting:
+                self.waiting -= 1
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -307,21 +350,24 @@ class Router:
         assert self._session is not None
         started = time.perf_counter()
         key = prompt_key(payload) if payload else ""
-        role: Role = "decode" if self.disaggregated else "worker"
         headers, bad_header = forwardable_headers(request)
         if bad_header is not None:
             return openai_error(400, f"header {bad_header!r} is not valid UTF-8", param=bad_header)
-        tried: set[str] = set()
+        tried: list[Worker] = []
         last_error = "no worker is ready"
         busy: tuple[int, dict[str, str], bytes] | None = None  # the last 429, answered if all are busy
+        deadline = asyncio.get_running_loop().time() + self.config.wait_for_worker_s
         for attempt in range(self.config.max_attempts):
-            candidates = self.pool.routable(role, exclude=tried)
+            # A busy (429) pool answers at once: waiting would only queue behind its own queue.
+            role, candidates = await self._candidates(tried, deadline if busy is None else 0.0)
             if not candidates:
+                if self.config.wait_for_worker_s > 0 and busy is None:
+                    last_error += f" (waited {self.config.wait_for_worker_s:g} s for one)"
                 break
             if attempt:
                 self.metrics.retries.inc()
             worker = self.policies[role].choose(candidates, key)
-            tried.add(worker.url)
+            tried.append(worker)
             send_body, send_headers = body, headers
             if payload is not None and role == "decode":
                 send_body = self._with_transfer_params(payload, key, worker)

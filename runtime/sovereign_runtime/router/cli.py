@@ -57,6 +57,14 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413",
     )
     parser.add_argument(
+        "--wait-for-worker",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="hold a request this long for a worker when none can take it (a one-replica pool"
+        " restarting, all draining) instead of answering 503 at once; the router stays Ready meanwhile",
+    )
+    parser.add_argument(
         "--shutdown-delay",
         type=float,
         default=0.0,
@@ -103,6 +111,8 @@ def validate_router_args(args: argparse.Namespace) -> str | None:
         return "router: --breaker-cooldown must be positive"
     if args.max_body_bytes < 1024:
         return "router: --max-body-bytes must be at least 1024"
+    if not args.wait_for_worker >= 0:
+        return "router: --wait-for-worker must be 0 or more seconds"
     if not args.shutdown_delay >= 0:
         return "router: --shutdown-delay must be 0 or more seconds"
     if not args.drain_timeout > 0:
@@ -138,8 +148,16 @@ def run_router(args: argparse.Namespace) -> None:
         disaggregation_threshold_chars=args.disaggregation_threshold,
         static_members={"worker": args.worker, "prefill": args.prefill, "decode": args.decode},
         read_deadlines=read_deadlines(args),
+        wait_for_worker_s=args.wait_for_worker,
     )
     router = Router(config)
+    for role, service in (
+        ("worker", args.worker_service),
+        ("prefill", args.prefill_service),
+        ("decode", args.decode_service),
+    ):
+        if service:
+            router.expect_discovery(role)
     app = create_app(router)
 
     async def start_discovery(app: web.Application) -> None:
