@@ -220,6 +220,7 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
     # Holder intervals as the test sees them: (identity, from, to) in wall-clock seconds.
     terms: list[list[Any]] = []
     takeovers: list[tuple[str, float]] = []
+    holder: str | None = None
     try:
         for proc, _ in replicas.values():
             proc.start()
@@ -284,7 +285,10 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
         time.sleep(2 * RETRY)
         assert lease(kube, ns)["holderIdentity"] == holder
     finally:
-        for proc, partition in replicas.values():
+        # Standbys first: a leader stopped first hands the Lease over, and the standby taking it would
+        # write as a leader in a term this test does not record.
+        for name in sorted(replicas, key=lambda name: name == holder):
+            proc, partition = replicas[name]
             proc.stop()
             partition.close()
 
