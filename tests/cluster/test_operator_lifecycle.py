@@ -236,8 +236,17 @@ def test_steady_state_makes_no_writes(kube: Kubectl, operator: OperatorHandle, n
         if monitors <= {c.get("type") for c in conditions}:
             break
         time.sleep(1)
-    time.sleep(5)
+    # The StatefulSet controller writes availableReplicas minReadySeconds after a pod turned Ready, and a
+    # monitor's first round may have seen fewer pods than its second: settled is nothing changing for
+    # longer than a monitor's interval (15 s).
+    settle_until = time.monotonic() + 120
     before = resource_versions(kube, namespace, "ds")
+    while time.monotonic() < settle_until:
+        time.sleep(16)
+        again = resource_versions(kube, namespace, "ds")
+        if again == before:
+            break
+        before = again
     llmd_before = get_llmd(kube, namespace, "ds")
     since = time.time()
     time.sleep(30)
