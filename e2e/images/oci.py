@@ -121,20 +121,30 @@ class _Skip(Exception):
     pass
 
 
-def walk_tree(root: Path, prefix: str = "", uid: int = 0, gid: int = 0) -> Iterator[Entry]:
+def walk_tree(root: Path, prefix: str = "", uid: int | None = 0, gid: int | None = 0) -> Iterator[Entry]:
     """Every directory, file and symlink below ``root`` (not following links), sorted, as entries
-    named ``prefix/relative``; owners are forced to ``uid``/``gid`` (a tree built as any user)."""
+    named ``prefix/relative``; owners are forced to ``uid``/``gid`` (a tree built as any user), or
+    kept as they are on disk where None (a root filesystem built as root, e.g. by debootstrap)."""
     root = root.resolve()
     prefix = prefix.strip("/")
+
+    def entry(name: str, path: Path) -> Entry:
+        if uid is None or gid is None:
+            st = path.lstat()
+            return Entry(
+                name, path, uid=st.st_uid if uid is None else uid, gid=st.st_gid if gid is None else gid
+            )
+        return Entry(name, path, uid=uid, gid=gid)
+
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         here = Path(dirpath)
         rel = here.relative_to(root).as_posix()
         parts = [p for p in (prefix, "" if rel == "." else rel) if p]
         if parts:
-            yield Entry("/".join(parts), here, uid=uid, gid=gid)
+            yield entry("/".join(parts), here)
         for name in sorted(filenames + [d for d in dirnames if (here / d).is_symlink()]):
-            yield Entry("/".join([*parts, name]), here / name, uid=uid, gid=gid)
+            yield entry("/".join([*parts, name]), here / name)
         # os.walk does not descend into symlinked directories; they were listed as entries above.
         dirnames[:] = [d for d in dirnames if not (here / d).is_symlink()]
 
@@ -150,6 +160,7 @@ def write_layer(entries: Iterable[Entry], out: Path) -> Layer:
     with tmp.open("wb") as sink:
         hashing = _HashingWriter(sink)
         with tarfile.open(fileobj=hashing, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+            tar.copybufsize = _CHUNK  # multi-GB layers: fewer, larger writes through the hash
             for entry in entries:
                 try:
                     info, fileobj = _tarinfo(entry)
@@ -232,11 +243,16 @@ def _add_dir(tar: tarfile.TarFile, name: str) -> None:
     tar.addfile(info)
 
 
-def write_image_archive(out: Path, ref: str, layers: list[Layer], config: dict[str, Any]) -> str:
-    """Write the image ``ref`` (``registry/name:tag``) as an archive at ``out``; returns the manifest
-    digest, which a runtime reports as the image's id after import."""
-    if ":" not in ref.rsplit("/", 1)[-1]:
-        raise ValueError(f"image reference {ref!r} has no tag (expected registry/name:tag)")
+def write_image_archive(
+    out: Path, ref: str, layers: list[Layer], config: dict[str, Any], *, extra_refs: Iterable[str] = ()
+) -> str:
+    """Write the image ``ref`` (``registry/name:tag``) as an archive at ``out``, also named by every
+    reference in ``extra_refs`` (the same manifest under several tags); returns the manifest digest,
+    which a runtime reports as the image's id after import."""
+    refs = [ref, *extra_refs]
+    for name in refs:
+        if ":" not in name.rsplit("/", 1)[-1]:
+            raise ValueError(f"image reference {name!r} has no tag (expected registry/name:tag)")
     config_digest, config_bytes = _blob(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     manifest = {
         "schemaVersion": 2,
@@ -252,6 +268,7 @@ def write_image_archive(out: Path, ref: str, layers: list[Layer], config: dict[s
     index = {
         "schemaVersion": 2,
         "mediaType": INDEX_MEDIA_TYPE,
+        # One descriptor per name: containerd's import names an image after each one.
         "manifests": [
             {
                 "mediaType": MANIFEST_MEDIA_TYPE,
@@ -259,23 +276,25 @@ def write_image_archive(out: Path, ref: str, layers: list[Layer], config: dict[s
                 "size": len(manifest_bytes),
                 "annotations": {
                     # containerd names the imported image after the first; the OCI spec's is the tag.
-                    "io.containerd.image.name": ref,
-                    "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1],
+                    "io.containerd.image.name": name,
+                    "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1],
                 },
                 "platform": {"architecture": "amd64", "os": "linux"},
             }
+            for name in refs
         ],
     }
     docker_manifest = [
         {
             "Config": f"blobs/sha256/{config_digest.split(':')[1]}",
-            "RepoTags": [ref],
+            "RepoTags": refs,
             "Layers": [f"blobs/sha256/{layer.digest.split(':')[1]}" for layer in layers],
         }
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.copybufsize = _CHUNK
         _add_bytes(tar, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
         _add_dir(tar, "blobs")
         _add_dir(tar, "blobs/sha256")
