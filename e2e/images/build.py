@@ -237,7 +237,7 @@ def python_layer(
     key = _sha(pins, image.flavour, layout, base.layer.digest, _code_key())[:16]
     path = cache / "layers" / f"{image.name}-python-{key}.tar"
     stats_path = Path(f"{path}.json")
-    cached = _cached(path)
+    cached = _cached(path, cache / f"{image.name}.tar")
     if cached is not None:
         log(f"{image.name}: python layer {cached[0].digest[7:19]} (cached)")
         return cached
@@ -304,7 +304,7 @@ def python_layer(
         "dropped_bytes_by_reason": dropped_bytes,
         "dropped_files": len(dropped),
         "pyc_files": len(compiled),
-        "sources_without_bytecode": len(invalid),
+        "sources_without_bytecode": invalid,  # not valid Python 3.11 (templates, test data)
         "layer_file_bytes": tree.file_bytes,
         "seconds": round(time.monotonic() - start, 1),
     }
@@ -405,11 +405,20 @@ def account_files(base: Base, accounts: list[dockerfile.Account]) -> dict[str, s
     return etc
 
 
-def _cached(path: Path) -> tuple[oci.Layer, dict[str, Any]] | None:
-    """A layer cached at ``path`` with its stats, or None."""
-    layer = oci.Layer.load(path)
+def _cached(path: Path, archive: Path | None = None) -> tuple[oci.Layer, dict[str, Any]] | None:
+    """A layer cached at ``path`` with its stats, or None. A layer moved into the image's archive
+    (only its ``.sha256`` and ``.json`` records stay beside ``path``) is read from there."""
     stats = Path(f"{path}.json")
-    if layer is None or not stats.is_file():
+    if not stats.is_file():
+        return None
+    layer = oci.Layer.load(path)
+    record = Path(f"{path}.sha256")
+    if layer is None and archive is not None and record.is_file():
+        digest, size = record.read_text().split()
+        layer = oci.blob_in_archive(archive, digest)
+        if layer is not None and layer.size != int(size):
+            layer = None
+    if layer is None:
         return None
     return layer, json.loads(stats.read_text())
 
@@ -550,6 +559,9 @@ def build(names: list[str], repo: str, tag: str, cache: Path, host_python: Path)
                     f"{image.name}: {', '.join(refs)} -> {archive} ({archive.stat().st_size >> 20} MiB) "
                     f"in {time.monotonic() - archive_start:.0f} s"
                 )
+            # The archive holds the big python layer now: keep it once on disk (_cached finds it there).
+            if deps.path != archive and oci.blob_in_archive(archive, deps.digest) is not None:
+                deps.path.unlink()
             manifest["images"][name] = {
                 "refs": refs,
                 "archive": str(archive),

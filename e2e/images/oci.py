@@ -40,11 +40,16 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class Layer:
-    """An uncompressed layer tar on disk; for an uncompressed layer the digest is also the diff id."""
+    """An uncompressed layer tar on disk; for an uncompressed layer the digest is also the diff id.
+
+    The tar is the whole of ``path``, or ``size`` bytes from ``offset`` when it is a blob inside an
+    image archive (``blob_in_archive``): a multi-GB layer need not be kept twice on disk.
+    """
 
     path: Path
     digest: str  # "sha256:<hex>"
     size: int
+    offset: int = 0
 
     def save_digest(self) -> None:
         """Record the digest beside the tar, so a cached layer is not hashed again."""
@@ -60,6 +65,19 @@ class Layer:
         if int(size) != path.stat().st_size:
             return None
         return cls(path=path, digest=digest, size=int(size))
+
+
+def blob_in_archive(archive: Path, digest: str) -> Layer | None:
+    """The blob ``digest`` of an image archive this module wrote, as a Layer reading it in place;
+    None when the archive or the blob is missing. Only tar headers are read, not the blob."""
+    if not archive.is_file():
+        return None
+    try:
+        with tarfile.open(archive) as tar:
+            member = tar.getmember(f"blobs/sha256/{digest.split(':')[1]}")
+    except (KeyError, tarfile.TarError, OSError):
+        return None
+    return Layer(path=archive, digest=digest, size=member.size, offset=member.offset_data)
 
 
 class _HashingWriter(io.RawIOBase):
@@ -306,6 +324,7 @@ def write_image_archive(
             info = tarfile.TarInfo(f"blobs/sha256/{layer.digest.split(':')[1]}")
             info.size, info.mtime, info.mode = layer.size, EPOCH, 0o644
             with layer.path.open("rb") as f:
+                f.seek(layer.offset)
                 tar.addfile(info, f)
         _add_bytes(tar, f"blobs/sha256/{config_digest.split(':')[1]}", config_bytes)
         _add_bytes(tar, f"blobs/sha256/{manifest_digest.split(':')[1]}", manifest_bytes)
@@ -359,6 +378,7 @@ if __name__ == "__main__":
 __all__ = [
     "Entry",
     "Layer",
+    "blob_in_archive",
     "image_config",
     "main",
     "walk_tree",
