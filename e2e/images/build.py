@@ -94,9 +94,8 @@ def _sha(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _code_key() -> str:
-    """The build's own code: a change to how layers are made rebuilds them."""
-    names = ("build.py", "dockerfile.py", "elf.py", "lean.py", "oci.py", "pyenv.py", "rootfs.py")
+def _code_key(*names: str) -> str:
+    """The build code a layer depends on: a change to how it is made rebuilds it."""
     return _sha(*[(HERE / n).read_text() for n in names])
 
 
@@ -234,7 +233,10 @@ def python_layer(
     )
     closure.dists.pop(PROJECT, None)
     pins = sorted((n, d.version, sorted(closure.extras[n])) for n, d in closure.dists.items())
-    key = _sha(pins, image.flavour, layout, base.layer.digest, _code_key())[:16]
+    # The base enters through its Python and its libraries only: a new debootstrap of the same
+    # packages does not rebuild 3 GB.
+    code = _code_key("build.py", "elf.py", "lean.py", "oci.py", "pyenv.py")
+    key = _sha(pins, image.flavour, layout, base.info["system_libraries"], code)[:16]
     path = cache / "layers" / f"{image.name}-python-{key}.tar"
     stats_path = Path(f"{path}.json")
     cached = _cached(path, cache / f"{image.name}.tar")
@@ -426,7 +428,8 @@ def _cached(path: Path, archive: Path | None = None) -> tuple[oci.Layer, dict[st
 def _app_layer_path(
     image: ImageDef, spec: dockerfile.FinalStage, base: Base, cache: Path, source_key: str
 ) -> Path:
-    key = _sha(source_key, spec.accounts, spec.directories, base.layer.digest, _code_key())[:16]
+    code = _code_key("build.py", "dockerfile.py", "oci.py", "pyenv.py")
+    key = _sha(source_key, spec.accounts, spec.directories, base.layer.digest, code)[:16]
     return cache / "layers" / f"{image.name}-app-{key}.tar"
 
 

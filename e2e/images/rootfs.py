@@ -57,11 +57,22 @@ def debian_sources(apt_dir: Path = Path("/etc/apt")) -> list[dict[str, str]]:
     for path in one_line:
         if path.is_file():
             stanzas += parse_one_line(path.read_text())
-    return [s for s in stanzas if "deb" in s.get("Types", "").split() and _is_suite(s)]
+    return [s for s in stanzas if "deb" in s.get("Types", "").split() and _is_debian(s)]
 
 
-def _is_suite(stanza: dict[str, str]) -> bool:
-    return any(s == SUITE or s.startswith(f"{SUITE}-") for s in stanza.get("Suites", "").split())
+# Debian's archive areas: a third-party repository for the same suite (Docker's `bookworm stable`)
+# names other components and stays out of the image.
+DEBIAN_COMPONENTS = frozenset({"main", "contrib", "non-free", "non-free-firmware"})
+
+
+def _is_debian(stanza: dict[str, str]) -> bool:
+    suites = stanza.get("Suites", "").split()
+    components = set(stanza.get("Components", "").split())
+    return (
+        any(s == SUITE or s.startswith(f"{SUITE}-") for s in suites)
+        and bool(components)
+        and components <= DEBIAN_COMPONENTS
+    )
 
 
 def parse_deb822(text: str) -> list[dict[str, str]]:

@@ -421,6 +421,26 @@ def test_the_rendered_pod_becomes_a_locked_down_container(tmp_path: Path) -> Non
         )
 
 
+def test_only_debian_sources_of_the_suite_reach_the_image(tmp_path: Path) -> None:
+    rootfs = images_module("rootfs")
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\nComponents: main\n"
+    )
+    (tmp_path / "sources.list.d" / "docker.list").write_text(
+        "deb https://download.docker.com/linux/debian bookworm stable\n"
+        "deb https://packages.cloud.google.com/apt cloud-sdk-bookworm main\n"
+    )
+    (tmp_path / "sources.list").write_text(
+        "deb http://deb.debian.org/debian-security bookworm-security main\n"
+    )
+    found = rootfs.debian_sources(tmp_path)
+    assert [s["URIs"] for s in found] == [
+        "http://deb.debian.org/debian",
+        "http://deb.debian.org/debian-security",
+    ]
+
+
 def test_debian_sources_are_read_in_both_formats() -> None:
     rootfs = images_module("rootfs")
     stanzas = rootfs.parse_deb822(
