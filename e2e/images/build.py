@@ -484,14 +484,6 @@ def _gid_of(base: Base, group: str) -> int:
 # ---- images ---------------------------------------------------------------------------------------
 
 
-def refs_of(image: ImageDef, repo: str, tag: str) -> list[str]:
-    """The reference pods use, and for a flavour also an alias that says which flavour it is."""
-    refs = [f"{repo}/{image.name}:{tag}"]
-    if image.flavour:
-        refs.append(f"{repo}/{image.name}:{tag}-{image.flavour}")
-    return refs
-
-
 def config_of(
     image: ImageDef, spec: dockerfile.FinalStage, layers: list[oci.Layer], tag: str, base: Base
 ) -> dict[str, Any]:
@@ -548,25 +540,25 @@ def build(names: list[str], repo: str, tag: str, cache: Path, host_python: Path)
             app, app_stats = app_layer(image, spec, wheel, base, app_paths[name])
             layers = [base.layer, deps, app]
             config = config_of(image, spec, layers, tag, base)
-            refs = refs_of(image, repo, tag)
+            ref = f"{repo}/{image.name}:{tag}"
             archive = cache / f"{image.name}.tar"
-            inputs = _sha(refs, config, [layer.digest for layer in layers])
+            inputs = _sha(ref, config, [layer.digest for layer in layers])
             previous = manifest["images"].get(name, {})
             archive_start = time.monotonic()
             if archive.is_file() and previous.get("inputs") == inputs:
                 digest = previous["manifest_digest"]
                 log(f"{image.name}: archive unchanged ({digest[7:19]})")
             else:
-                digest = oci.write_image_archive(archive, refs[0], layers, config, extra_refs=refs[1:])
+                digest = oci.write_image_archive(archive, ref, layers, config)
                 log(
-                    f"{image.name}: {', '.join(refs)} -> {archive} ({archive.stat().st_size >> 20} MiB) "
+                    f"{image.name}: {ref} -> {archive} ({archive.stat().st_size >> 20} MiB) "
                     f"in {time.monotonic() - archive_start:.0f} s"
                 )
             # The archive holds the big python layer now: keep it once on disk (_cached finds it there).
             if deps.path != archive and oci.blob_in_archive(archive, deps.digest) is not None:
                 deps.path.unlink()
             manifest["images"][name] = {
-                "refs": refs,
+                "ref": ref,
                 "archive": str(archive),
                 "archive_bytes": archive.stat().st_size,
                 "manifest_digest": digest,

@@ -261,16 +261,11 @@ def _add_dir(tar: tarfile.TarFile, name: str) -> None:
     tar.addfile(info)
 
 
-def write_image_archive(
-    out: Path, ref: str, layers: list[Layer], config: dict[str, Any], *, extra_refs: Iterable[str] = ()
-) -> str:
-    """Write the image ``ref`` (``registry/name:tag``) as an archive at ``out``, also named by every
-    reference in ``extra_refs`` (the same manifest under several tags); returns the manifest digest,
-    which a runtime reports as the image's id after import."""
-    refs = [ref, *extra_refs]
-    for name in refs:
-        if ":" not in name.rsplit("/", 1)[-1]:
-            raise ValueError(f"image reference {name!r} has no tag (expected registry/name:tag)")
+def write_image_archive(out: Path, ref: str, layers: list[Layer], config: dict[str, Any]) -> str:
+    """Write the image ``ref`` (``registry/name:tag``) as an archive at ``out``; returns the manifest
+    digest, which a runtime reports as the image's id after import."""
+    if ":" not in ref.rsplit("/", 1)[-1]:
+        raise ValueError(f"image reference {ref!r} has no tag (expected registry/name:tag)")
     config_digest, config_bytes = _blob(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     manifest = {
         "schemaVersion": 2,
@@ -286,7 +281,6 @@ def write_image_archive(
     index = {
         "schemaVersion": 2,
         "mediaType": INDEX_MEDIA_TYPE,
-        # One descriptor per name: containerd's import names an image after each one.
         "manifests": [
             {
                 "mediaType": MANIFEST_MEDIA_TYPE,
@@ -294,18 +288,17 @@ def write_image_archive(
                 "size": len(manifest_bytes),
                 "annotations": {
                     # containerd names the imported image after the first; the OCI spec's is the tag.
-                    "io.containerd.image.name": name,
-                    "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1],
+                    "io.containerd.image.name": ref,
+                    "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1],
                 },
                 "platform": {"architecture": "amd64", "os": "linux"},
             }
-            for name in refs
         ],
     }
     docker_manifest = [
         {
             "Config": f"blobs/sha256/{config_digest.split(':')[1]}",
-            "RepoTags": refs,
+            "RepoTags": [ref],
             "Layers": [f"blobs/sha256/{layer.digest.split(':')[1]}" for layer in layers],
         }
     ]

@@ -204,11 +204,11 @@ def test_the_image_config_is_the_dockerfiles_final_stage(built: dict[str, Any]) 
                     assert env[key] == value.replace("$PATH", dockerfile.BASE_ENV["PATH"]), key
         workdirs = [r for w, r in steps if w == "WORKDIR"]
         assert got.get("WorkingDir") == (workdirs[-1] if workdirs else None)
-    refs = built["images"]["runtime"]["refs"]
-    assert refs == [
-        "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0",
-        "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0-cpu",
-    ]
+    # The names pods render, and a label that says which flavour a node holds.
+    assert built["images"]["runtime"]["ref"] == "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
+    assert built["images"]["operator"]["ref"] == "ghcr.io/sovereign-ai/sovereign-operator:0.1.0"
+    _rootfs, runtime = _unpacked(built, "runtime")
+    assert runtime["config"]["Labels"]["ai.sovereign.image.flavour"] == "cpu"
 
 
 def test_the_tiny_pod_serves_from_the_image(runtime_pod: tuple[Any, dict[str, Any]]) -> None:

@@ -96,25 +96,6 @@ def test_the_command_line_refuses_a_reference_without_a_tag(tmp_path: Path) -> N
     assert "blobs/sha256" in " ".join(members(tmp_path / "o.tar"))
 
 
-def test_an_archive_carries_every_reference(tmp_path: Path) -> None:
-    m = oci()
-    (tmp_path / "root").mkdir()
-    (tmp_path / "root" / "f").write_text("x")
-    layer = m.write_layer(m.walk_tree(tmp_path / "root"), tmp_path / "l.tar")
-    refs = ["ghcr.io/x/y:1.0", "ghcr.io/x/y:1.0-cpu"]
-    digest = m.write_image_archive(
-        tmp_path / "a.tar", refs[0], [layer], m.image_config([layer]), extra_refs=refs[1:]
-    )
-    with tarfile.open(tmp_path / "a.tar") as tar:
-        index = json.loads(tar.extractfile("index.json").read())  # type: ignore[union-attr]
-        docker = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
-    assert [d["annotations"]["io.containerd.image.name"] for d in index["manifests"]] == refs
-    assert {d["digest"] for d in index["manifests"]} == {digest}
-    assert docker[0]["RepoTags"] == refs
-    with pytest.raises(ValueError, match="no tag"):
-        m.write_image_archive(tmp_path / "b.tar", refs[0], [layer], {}, extra_refs=["ghcr.io/x/y"])
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
 def test_walk_tree_keeps_owners_when_asked(tmp_path: Path) -> None:
     m = oci()
