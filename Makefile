@@ -14,6 +14,7 @@ help:
 	@echo "make test   - lint and every test (builds what is missing)"
 	@echo "make cluster-up / cluster-down - local control plane (kubeconfig: .cluster/kubeconfig)"
 	@echo "make demo-stop - stop the demo operator and delete the local cluster"
+	@echo "make images-local - runtime (CPU) and operator images built here, no registry (.cache/images/)"
 
 venv: $(VENV_STAMP)
 
@@ -56,6 +57,12 @@ demo-stop:
 
 clean:
 	rm -rf $(VENV) .cache .cluster
+
+# The same images built on this machine without a registry or Docker (root: debootstrap), from the
+# packages in .venv; archives in .cache/images/, cached by layer (a warm run is a no-op).
+.PHONY: images-local
+images-local: venv
+	IMAGE_REPO=$(IMAGE_REPO) IMAGE_TAG=$(IMAGE_TAG) e2e/images/build.sh
 
 # Container images (needs a Docker engine). IMAGE_TAG defaults to the package version.
 IMAGE_REPO ?= ghcr.io/sovereign-ai

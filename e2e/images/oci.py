@@ -40,11 +40,16 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class Layer:
-    """An uncompressed layer tar on disk; for an uncompressed layer the digest is also the diff id."""
+    """An uncompressed layer tar on disk; for an uncompressed layer the digest is also the diff id.
+
+    The tar is the whole of ``path``, or ``size`` bytes from ``offset`` when it is a blob inside an
+    image archive (``blob_in_archive``): a multi-GB layer need not be kept twice on disk.
+    """
 
     path: Path
     digest: str  # "sha256:<hex>"
     size: int
+    offset: int = 0
 
     def save_digest(self) -> None:
         """Record the digest beside the tar, so a cached layer is not hashed again."""
@@ -60,6 +65,19 @@ class Layer:
         if int(size) != path.stat().st_size:
             return None
         return cls(path=path, digest=digest, size=int(size))
+
+
+def blob_in_archive(archive: Path, digest: str) -> Layer | None:
+    """The blob ``digest`` of an image archive this module wrote, as a Layer reading it in place;
+    None when the archive or the blob is missing. Only tar headers are read, not the blob."""
+    if not archive.is_file():
+        return None
+    try:
+        with tarfile.open(archive) as tar:
+            member = tar.getmember(f"blobs/sha256/{digest.split(':')[1]}")
+    except (KeyError, tarfile.TarError, OSError):
+        return None
+    return Layer(path=archive, digest=digest, size=member.size, offset=member.offset_data)
 
 
 class _HashingWriter(io.RawIOBase):
@@ -121,20 +139,30 @@ class _Skip(Exception):
     pass
 
 
-def walk_tree(root: Path, prefix: str = "", uid: int = 0, gid: int = 0) -> Iterator[Entry]:
+def walk_tree(root: Path, prefix: str = "", uid: int | None = 0, gid: int | None = 0) -> Iterator[Entry]:
     """Every directory, file and symlink below ``root`` (not following links), sorted, as entries
-    named ``prefix/relative``; owners are forced to ``uid``/``gid`` (a tree built as any user)."""
+    named ``prefix/relative``; owners are forced to ``uid``/``gid`` (a tree built as any user), or
+    kept as they are on disk where None (a root filesystem built as root, e.g. by debootstrap)."""
     root = root.resolve()
     prefix = prefix.strip("/")
+
+    def entry(name: str, path: Path) -> Entry:
+        if uid is None or gid is None:
+            st = path.lstat()
+            return Entry(
+                name, path, uid=st.st_uid if uid is None else uid, gid=st.st_gid if gid is None else gid
+            )
+        return Entry(name, path, uid=uid, gid=gid)
+
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         here = Path(dirpath)
         rel = here.relative_to(root).as_posix()
         parts = [p for p in (prefix, "" if rel == "." else rel) if p]
         if parts:
-            yield Entry("/".join(parts), here, uid=uid, gid=gid)
+            yield entry("/".join(parts), here)
         for name in sorted(filenames + [d for d in dirnames if (here / d).is_symlink()]):
-            yield Entry("/".join([*parts, name]), here / name, uid=uid, gid=gid)
+            yield entry("/".join([*parts, name]), here / name)
         # os.walk does not descend into symlinked directories; they were listed as entries above.
         dirnames[:] = [d for d in dirnames if not (here / d).is_symlink()]
 
@@ -150,6 +178,7 @@ def write_layer(entries: Iterable[Entry], out: Path) -> Layer:
     with tmp.open("wb") as sink:
         hashing = _HashingWriter(sink)
         with tarfile.open(fileobj=hashing, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+            tar.copybufsize = _CHUNK  # multi-GB layers: fewer, larger writes through the hash
             for entry in entries:
                 try:
                     info, fileobj = _tarinfo(entry)
@@ -276,6 +305,7 @@ def write_image_archive(out: Path, ref: str, layers: list[Layer], config: dict[s
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.copybufsize = _CHUNK
         _add_bytes(tar, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
         _add_dir(tar, "blobs")
         _add_dir(tar, "blobs/sha256")
@@ -287,6 +317,7 @@ def write_image_archive(out: Path, ref: str, layers: list[Layer], config: dict[s
             info = tarfile.TarInfo(f"blobs/sha256/{layer.digest.split(':')[1]}")
             info.size, info.mtime, info.mode = layer.size, EPOCH, 0o644
             with layer.path.open("rb") as f:
+                f.seek(layer.offset)
                 tar.addfile(info, f)
         _add_bytes(tar, f"blobs/sha256/{config_digest.split(':')[1]}", config_bytes)
         _add_bytes(tar, f"blobs/sha256/{manifest_digest.split(':')[1]}", manifest_bytes)
@@ -340,6 +371,7 @@ if __name__ == "__main__":
 __all__ = [
     "Entry",
     "Layer",
+    "blob_in_archive",
     "image_config",
     "main",
     "walk_tree",

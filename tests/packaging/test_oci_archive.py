@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 import tarfile
 from pathlib import Path
@@ -93,3 +94,35 @@ def test_the_command_line_refuses_a_reference_without_a_tag(tmp_path: Path) -> N
         == 0
     )
     assert "blobs/sha256" in " ".join(members(tmp_path / "o.tar"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
+def test_walk_tree_keeps_owners_when_asked(tmp_path: Path) -> None:
+    m = oci()
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "shadow").write_text("x")
+    os.chown(tmp_path / "etc" / "shadow", 0, 42)
+    kept = {e.name: (e.uid, e.gid) for e in m.walk_tree(tmp_path, uid=None, gid=None)}
+    forced = {e.name: (e.uid, e.gid) for e in m.walk_tree(tmp_path)}
+    assert kept["etc/shadow"] == (0, 42) and forced["etc/shadow"] == (0, 0)
+
+
+def test_a_layer_is_read_in_place_from_an_archive(tmp_path: Path) -> None:
+    m = oci()
+    layer = m.write_layer(m.walk_tree(tree(tmp_path / "root")), tmp_path / "layer.tar")
+    config = m.image_config([layer])
+    m.write_image_archive(tmp_path / "one.tar", "ghcr.io/x/y:1", [layer], config)
+    inside = m.blob_in_archive(tmp_path / "one.tar", layer.digest)
+    assert (
+        inside is not None
+        and inside.offset > 0
+        and (inside.digest, inside.size) == (layer.digest, layer.size)
+    )
+    layer.path.unlink()
+    # A second archive written from the first one's blob holds the same bytes.
+    m.write_image_archive(tmp_path / "two.tar", "ghcr.io/x/y:2", [inside], config)
+    files = members(tmp_path / "two.tar")
+    blob = files[f"blobs/sha256/{layer.digest.split(':')[1]}"]
+    assert hashlib.sha256(blob).hexdigest() == layer.digest.split(":")[1]
+    assert m.blob_in_archive(tmp_path / "two.tar", "sha256:" + "0" * 64) is None
+    assert m.blob_in_archive(tmp_path / "missing.tar", layer.digest) is None
