@@ -129,6 +129,9 @@ class VllmServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(self.max_model_len),
             "--disable-log-stats",
+            # vLLM picks its AMX MLA backend on CPUs with AMX tiles, which takes 16-bit weights only; the
+            # fp32 comparison runs its reference CPU MLA (the backend it uses on every CPU without AMX).
+            "--attention-backend", "CPU_MLA",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         self._wait_ready("/health")

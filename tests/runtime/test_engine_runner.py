@@ -160,3 +160,30 @@ def test_logit_bias_per_sequence_in_one_batch_and_vocab_bound() -> None:
     assert got[rids[2]] == ref_c  # the unbiased neighbour is untouched
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, "):
         eng.make_sequence(a, SamplingParams(logit_bias={eng.vocab_size: 1}))
+
+
+def test_scratch_buffers_are_reused_per_thread_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode KV gather's buffer: one storage per name and thread, reused while big enough, grown when
+    not, new for another dtype; above SCRATCH_MAX_BYTES a fresh tensor every time (none is kept)."""
+    import threading
+
+    from sovereign_runtime.model import context
+
+    cpu = torch.device("cpu")
+    a = context.scratch("test_rows", (4, 8), torch.float32, cpu)
+    b = context.scratch("test_rows", (2, 8), torch.float32, cpu)
+    assert a.shape == (4, 8) and b.shape == (2, 8) and a.data_ptr() == b.data_ptr()
+    c = context.scratch("test_rows", (16, 8), torch.float32, cpu)
+    assert c.shape == (16, 8) and c.data_ptr() != a.data_ptr()
+    assert context.scratch("test_rows", (16, 8), torch.float32, cpu).data_ptr() == c.data_ptr()
+    assert context.scratch("test_rows", (16, 8), torch.float64, cpu).dtype == torch.float64
+    other: list[int] = []
+    thread = threading.Thread(
+        target=lambda: other.append(context.scratch("test_rows", (4, 8), torch.float64, cpu).data_ptr())
+    )
+    thread.start()
+    thread.join()
+    assert other and other[0] != context.scratch("test_rows", (4, 8), torch.float64, cpu).data_ptr()
+    monkeypatch.setattr(context, "SCRATCH_MAX_BYTES", 64)
+    big = context.scratch("test_big", (4, 8), torch.float32, cpu)
+    assert big.data_ptr() != context.scratch("test_big", (4, 8), torch.float32, cpu).data_ptr()

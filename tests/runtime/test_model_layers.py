@@ -389,6 +389,66 @@ def test_one_token_moe_equals_the_grouped_path(tiny_checkpoint: Path) -> None:
             assert torch.equal(moe(x), expected)
 
 
+def test_small_expert_sets_run_densely_and_match_the_sparse_paths(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routed experts small enough to stay in cache run every expert on every token (two products, the
+    unchosen weighted 0) for 2 to DENSE_MOE_MAX_TOKENS tokens: the same sums as running the chosen experts
+    (bit for bit for one token, to fp32 rounding for more, where mm's row count changes its accumulation);
+    larger sets, bigger batches and other dtypes keep the sparse paths; the stacked copy follows weight
+    updates."""
+    from sovereign_runtime.model import layers
+    from sovereign_runtime.model.layers import forget_derived_weights
+
+    model, config = load_model(tiny_checkpoint)
+    moe = next(layer.mlp for i, layer in enumerate(model.model.layers) if config.is_moe_layer(i))
+    torch.manual_seed(0)
+
+    def sparse(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe.gate(x)
+        rows = [moe._one_token(x[t : t + 1], weights[t : t + 1], ids[t : t + 1]) for t in range(x.shape[0])]
+        return torch.cat(rows) + moe.shared_experts(x)
+
+    with torch.no_grad():
+        for tokens in (1, 2, 7, layers.DENSE_MOE_MAX_TOKENS):
+            x = torch.randn(tokens, config.hidden_size)
+            assert moe._dense_stack(x) is not None
+            torch.testing.assert_close(moe(x), sparse(x), rtol=1e-5, atol=1e-6)
+            weights, ids = moe.gate(x)
+            dense = moe._dense(x, weights, ids, *moe._dense_stack(x))
+            if tokens == 1:
+                assert torch.equal(dense + moe.shared_experts(x), sparse(x))
+            else:
+                torch.testing.assert_close(dense + moe.shared_experts(x), sparse(x), rtol=1e-5, atol=1e-6)
+
+        def dense_out(x: torch.Tensor) -> torch.Tensor:
+            weights, ids = moe.gate(x)
+            stacked = moe._dense_stack(x)
+            assert stacked is not None
+            return moe._dense(x, weights, ids, *stacked) + moe.shared_experts(x)
+
+        x = torch.randn(1, config.hidden_size)
+        before = dense_out(x)
+        for expert in moe.experts:
+            expert.down_proj.weight.mul_(2)  # in place: a new version
+        assert torch.equal(dense_out(x), sparse(x)) and not torch.equal(dense_out(x), before)
+        for expert in moe.experts:  # replaced
+            expert.gate_proj.weight = torch.nn.Parameter(expert.gate_proj.weight * 3)
+        assert torch.equal(dense_out(x), sparse(x))
+        before = dense_out(x)
+        for expert in moe.experts:
+            expert.up_proj.weight.data[:2] = 5.0  # through .data: needs forget_derived_weights
+        forget_derived_weights(model)
+        assert torch.equal(dense_out(x), sparse(x)) and not torch.equal(dense_out(x), before)
+        assert moe._dense_stack(x.double()) is None  # another dtype than the experts'
+        monkeypatch.setattr(layers, "DENSE_MOE_MAX_BYTES", 1024)
+        forget_derived_weights(model)
+        assert moe._dense_stack(x) is None
+        for tokens in (1, 3):
+            x = torch.randn(tokens, config.hidden_size)
+            assert torch.equal(moe(x), sparse(x))
+
+
 def test_cached_transposed_weight_follows_weight_updates() -> None:
     """The decode path's cached W^T view sees in-place updates and replaced weights (reloads)."""
     from sovereign_runtime.model.layers import _apply

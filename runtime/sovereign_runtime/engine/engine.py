@@ -395,7 +395,7 @@ class LLMEngine:
         # After a guarded retry the last forward is a part of the batch: skip drafting for one step.
         if not drafter.stats.drafting or forward is None or forward[0] is not batch:
             return
-        drafter.propose(batch, forward[1], starts, self.max_model_len)
+        drafter.propose(batch, forward[1], forward[2], starts, self.max_model_len)
 
     def advance_grammar(self, seq: Sequence, token: int) -> bool:
         """Feed ``seq``'s new token to its grammar; False if the grammar refuses it."""

@@ -57,7 +57,8 @@ class ModelRunner:
         self.grammars: Grammars | None = None
         # Test-only fault injection (sovereign_runtime.model.faults), told each forward's sequences.
         self.faults: FaultInjector | None = None
-        self.last_forward: tuple[ScheduledBatch, torch.Tensor] | None = None
+        # The last batch run, its forward's final hidden states and its metadata (the drafter's inputs).
+        self.last_forward: tuple[ScheduledBatch, torch.Tensor, AttentionMetadata] | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flattened input ids, the attention metadata, and the rows whose logits are needed."""
@@ -105,8 +106,9 @@ class ModelRunner:
         meta.after_layer = after_layer
         with attention_context(meta):
             hidden = self.model(ids, meta.positions)
-        # The drafter (engine/speculative.py) reads this forward's hidden states: only the last batch run.
-        self.last_forward = (batch, hidden)
+        # The drafter (engine/speculative.py) runs the MTP layer over this forward's rows with the same
+        # metadata: only the last batch run.
+        self.last_forward = (batch, hidden, meta)
         if not logit_rows:
             return SamplerOutput([], [], [])
         if len(logit_rows) == hidden.shape[0]:  # every token is a last token (pure decode)

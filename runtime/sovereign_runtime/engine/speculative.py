@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..model.context import attention_context
+from ..model.context import AttentionMetadata, attention_context
 from .model_runner import paged_metadata
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -130,70 +130,71 @@ class MTPDrafter:
         self,
         batch: ScheduledBatch,
         hidden: torch.Tensor,
+        meta: AttentionMetadata,
         starts: list[int],
         max_model_len: int,
     ) -> None:
-        """After ``batch`` ran (``hidden``: its forward's final hidden states, flattened in batch order) and
-        the scheduler advanced: fill the MTP cache for each running sequence's newly kept positions
-        (``starts[i]`` up to its ``num_computed_tokens``) and draft for the sequences that decode next."""
-        rows: list[int] = []
-        tables: list[list[int]] = []
-        seq_starts: list[int] = []
-        counts: list[int] = []
-        as_rows: list[bool] = []
+        """After ``batch`` ran (``hidden``: its forward's final hidden states, flattened in batch order;
+        ``meta``: that forward's attention metadata) and the scheduler advanced: fill the MTP cache for the
+        step's positions and draft for the sequences that decode next.
+
+        The MTP layer runs over exactly the forward's rows with the forward's own metadata (the same
+        positions, slots and attention form), so no second metadata is built and the main hidden states
+        are read in place: row ``p`` gets token ``p + 1`` where the sequence now knows it (the prompt's next
+        token, or the token kept at ``p + 1``). Rows past what a step kept (rejected draft positions, the
+        rows of a sequence that just finished) compute garbage in slots that are either free or rewritten
+        before anything attends to them, as the main layers' rows for those positions already are.
+        """
         ids: list[int] = []
-        drafting: list[tuple[Sequence, int, int]] = []  # (sequence, its draft length, its last MTP row)
+        drafting: list[tuple[Sequence, int]] = []  # (sequence, its last kept row)
         offset = 0
         for i, seq in enumerate(batch.seqs):
             start, n = starts[i], batch.num_new_tokens[i]
+            known = seq.token_ids
+            nxt = known[start + 1 : start + n + 1]  # MTP row p reads token p + 1
+            ids += nxt
+            if len(nxt) < n:  # rows past the kept tokens: any valid id
+                ids += [0] * (n - len(nxt))
             kept = seq.num_computed_tokens - start if seq.is_running else 0
-            if kept > 0:
-                rows += range(offset, offset + kept)
-                tables.append(seq.block_table)
-                seq_starts.append(start)
-                counts.append(kept)
-                # Positions a decode or a verify kept: the MTP layer runs them as decode rows too.
-                as_rows.append(n == 1 or bool(batch.draft(i)))
-                ids += seq.token_ids[start + 1 : start + kept + 1]  # MTP row p reads token p + 1
-                if batch.sample[i]:
-                    k = self.scheduler.grow_for_draft(seq, self.draft_budget(seq, max_model_len))
-                    if k:
-                        drafting.append((seq, k, len(rows) - 1))
+            if kept > 0 and batch.sample[i]:
+                drafting.append((seq, offset + kept - 1))
             offset += n
-        if not counts:
-            return
         model = self.model
-        input_ids, meta = paged_metadata(
-            ids, tables, seq_starts, counts, self.scheduler.block_size, self.device, as_rows
-        )
-        h_in = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(hidden.device, non_blocking=True)
         with attention_context(meta):
-            out = model.mtp_hidden(h_in, input_ids, meta.positions)
-        if not drafting:
+            out = model.mtp_hidden(hidden, input_ids, meta.positions)
+        # Draft only where blocks for the draft positions are free (after the MTP rows are written).
+        sized = [(seq, row, self.scheduler.grow_for_draft(seq, self.draft_budget(seq, max_model_len)))
+                 for seq, row in drafting]  # fmt: skip
+        chain = [(seq, row, k) for seq, row, k in sized if k > 0]
+        if not chain:
             return
-        last = torch.tensor([r for _, _, r in drafting], device=out.device)
-        normed, logits = model.mtp_head(out.index_select(0, last))
-        tokens = logits.argmax(dim=-1).tolist()
-        for (seq, _, _), t in zip(drafting, tokens, strict=True):
+        if len(chain) == out.shape[0]:
+            last_rows = out
+        else:
+            last = torch.tensor([r for _, r, _ in chain], dtype=torch.int64)
+            last_rows = out.index_select(0, last.to(out.device, non_blocking=True))
+        normed, logits = model.mtp_head(last_rows)
+        for (seq, _, _), t in zip(chain, logits.argmax(dim=-1).tolist(), strict=True):
             seq.draft = [t]
         # Chain: the MTP layer's own normed output stands in for the main model's hidden state.
-        for depth in range(1, max(k for _, k, _ in drafting)):
-            keep = [j for j, (_, k, _) in enumerate(drafting) if k > depth]
-            chain = [drafting[j][0] for j in keep]
+        for depth in range(1, max(k for _, _, k in chain)):
+            keep = [j for j, (_, _, k) in enumerate(chain) if k > depth]
+            seqs = [chain[j][0] for j in keep]
             # The row for position num_tokens - 2 + depth reads the previous draft token.
-            input_ids, meta = paged_metadata(
-                [s.draft[-1] for s in chain],
-                [s.block_table for s in chain],
-                [s.num_tokens - 2 + depth for s in chain],
-                [1] * len(chain),
+            input_ids, step_meta = paged_metadata(
+                [s.draft[-1] for s in seqs],
+                [s.block_table for s in seqs],
+                [s.num_tokens - 2 + depth for s in seqs],
+                [1] * len(seqs),
                 self.scheduler.block_size,
                 self.device,
             )
-            if len(keep) != len(drafting):
+            if len(keep) != len(chain):
                 normed = normed.index_select(0, torch.tensor(keep, device=normed.device))
-            with attention_context(meta):
-                out = model.mtp_hidden(normed, input_ids, meta.positions)
+            with attention_context(step_meta):
+                out = model.mtp_hidden(normed, input_ids, step_meta.positions)
             normed, logits = model.mtp_head(out)
-            for s, t in zip(chain, logits.argmax(dim=-1).tolist(), strict=True):
+            for s, t in zip(seqs, logits.argmax(dim=-1).tolist(), strict=True):
                 s.draft.append(t)
-            drafting = [drafting[j] for j in keep]
+            chain = [chain[j] for j in keep]

@@ -83,3 +83,28 @@ def attention_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
         yield meta
     finally:
         _local.current = previous
+
+
+# Largest scratch buffer kept between steps (bytes); a bigger request gets a fresh tensor each time.
+SCRATCH_MAX_BYTES = 256 << 20
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``shape`` tensor from this thread's buffer ``name``, reused across steps.
+
+    For large per-layer temporaries (the decode KV gather): a fresh multi-megabyte tensor per layer costs
+    page faults on every step (the allocator hands big blocks back to the OS), measured several times the
+    copy itself on CPU. The caller must be done with the tensor before asking for ``name`` again.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * torch.empty((), dtype=dtype).element_size() > SCRATCH_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    pool: dict[str, torch.Tensor] | None = getattr(_local, "scratch", None)
+    if pool is None:
+        pool = _local.scratch = {}
+    buf = pool.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+        buf = pool[name] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
