@@ -261,7 +261,9 @@ def test_the_prestop_hook_drains_and_the_server_exits(
         done = running.exec(hook, timeout=grace)
         assert done.returncode == 0, done.stderr
         assert running.wait_exit(grace - (time.monotonic() - started)), running.output()[-2000:]
-        assert "drained; shutting down" in running.output()
+        output = running.output()
+        assert "drain finished" in output and "in-flight request(s) completed" in output, output[-2000:]
+        assert "shutting down" in output, output[-2000:]
 
 
 def test_the_operator_image_runs_its_entrypoint_and_writes_the_crd(built: dict[str, Any]) -> None:
