@@ -23,6 +23,7 @@ from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TO
 from .engine.tensor_parallel import spawn_workers
 from .model.faults import FaultSpec
 from .program import UsageError
+from .program import main as main  # console scripts installed before program.py still call cli:main
 from .read_deadlines import add_read_deadline_flags, read_deadlines
 from .server import ServerConfig, create_app, serve
 
