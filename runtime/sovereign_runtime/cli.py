@@ -1,10 +1,8 @@
-"""`sovereign-runtime`: `serve` (the OpenAI server), `router` (the PD-aware router), `download` (a
-model from a Hugging Face hub into a cache directory).
+"""`sovereign-runtime serve`: the OpenAI server for one model.
 
-Each subcommand registers its flags with ``add_<name>_arguments`` and runs with ``run_<name>``; a new
-subcommand is one entry in ``_SUBCOMMANDS``. Usage errors print one line and exit 2. ``serve`` wires the
-runtime's assembly (``assembly.py``: model, engine, tensor parallelism) to the HTTP server and the
-prefill/decode role (``disagg``).
+``serve`` wires the runtime's assembly (``assembly.py``: model, engine, tensor parallelism) to the HTTP
+server and the prefill/decode role (``disagg``). This module imports torch: the entry point
+(``program.py``) imports it only for ``serve``, so ``router`` and ``download`` start without it.
 """
 
 from __future__ import annotations
@@ -14,10 +12,8 @@ import asyncio
 import logging
 import os
 import socket
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from . import builtin
 from .assembly import DTYPES, EngineOptions, make_loader, serve_worker, tensor_parallel_problem_for
@@ -26,23 +22,13 @@ from .engine.repetition import check_window
 from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, SpeculativeConfig
 from .engine.tensor_parallel import spawn_workers
 from .model.faults import FaultSpec
-from .modelhub import cli as download_cli
+from .program import UsageError
+from .program import main as main  # console scripts installed before program.py still call cli:main
 from .read_deadlines import add_read_deadline_flags, read_deadlines
-from .router import cli as router_cli
 from .server import ServerConfig, create_app, serve
 
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_PREFIX = builtin.PREFIX
-
-
-class UsageError(Exception):
-    """A bad flag or flag combination: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse prints the whole usage block; a CLI error here is one clear line.
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}")
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -446,50 +432,3 @@ def _run_tensor_parallel_worker(args: argparse.Namespace, model_path: Path) -> i
         args.tensor_parallel_size,
         args.tp_rendezvous,
     )
-
-
-def run_router(args: argparse.Namespace) -> int:
-    problem = router_cli.validate_router_args(args)
-    if problem:
-        raise UsageError(problem)
-    router_cli.run_router(args)
-    return 0
-
-
-# name -> (help, add_arguments, run). `bench` joins here when it lands.
-_SUBCOMMANDS: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-] = {
-    "serve": ("run the OpenAI-compatible server for one model", add_serve_arguments, run_serve),
-    "router": ("run the PD-aware router in front of workers", router_cli.add_router_arguments, run_router),
-    "download": (
-        "download a Hugging Face repo revision into a cache directory (resumable, verified)",
-        download_cli.add_download_arguments,
-        download_cli.run_download,
-    ),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sovereign-runtime", description="Sovereign MLA inference runtime")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(_SUBCOMMANDS) + "}")
-    for name, (help_text, add, _run) in _SUBCOMMANDS.items():
-        add(sub.add_parser(name, help=help_text, description=help_text))
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        argv = list(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(argv)
-        args.serve_argv = argv  # what tensor-parallel workers are started with
-        return _SUBCOMMANDS[args.command][2](args)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

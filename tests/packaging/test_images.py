@@ -125,7 +125,7 @@ def test_runtime_entrypoint_is_its_console_script():
     assert "sovereign-runtime" in SCRIPTS
     (cmd,) = [json.loads(r) for w, r in final_stage(IMAGES["runtime.Dockerfile"]) if w == "CMD"]
     # The default command parses with the runtime's own CLI.
-    from sovereign_runtime.cli import build_parser
+    from sovereign_runtime.program import build_parser
 
     parsed = build_parser().parse_args(cmd)
     assert parsed.command == "serve" and parsed.port == 8000 and parsed.host == "0.0.0.0"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from sovereign_runtime.cli import build_parser, kv_advertise_host
+from sovereign_runtime.cli import kv_advertise_host
+from sovereign_runtime.program import build_parser
 
 
 def test_flag_then_pod_ip_then_bind_address(monkeypatch: pytest.MonkeyPatch) -> None:

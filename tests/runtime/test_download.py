@@ -239,9 +239,9 @@ def test_progress_counts_growing_part_files_and_the_rate(tmp_path: Path) -> None
 
 
 def test_the_runtime_cli_has_the_download_command() -> None:
-    from sovereign_runtime import cli
+    from sovereign_runtime import program
 
-    assert cli.main(["download", "--dest", "/tmp/x"]) == 2  # --repo is required: a usage error
+    assert program.main(["download", "--dest", "/tmp/x"]) == 2  # --repo is required: a usage error
 
 
 # ---- resume ----------------------------------------------------------------------------------

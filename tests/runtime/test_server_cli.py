@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from server_support import byte_tokenizer_checkpoint, free_port
-from sovereign_runtime.cli import main, resolve_model
+from sovereign_runtime.cli import resolve_model
+from sovereign_runtime.program import main
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ import pytest
 import torch
 from server_support import free_port, write_byte_tokenizer
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
-from sovereign_runtime.cli import main
 from sovereign_runtime.model import Fp8Linear, load_model
 from sovereign_runtime.model.config import ModelConfig
 from sovereign_runtime.model.parallel import TensorParallel, tensor_parallel_problem
+from sovereign_runtime.program import main
 from tp_support import ROW_CACHE_SHAPE, ROW_DTYPES, ROW_WRITES, run_scenario
 
 HERE = Path(__file__).parent

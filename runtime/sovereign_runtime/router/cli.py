@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..program import UsageError
 from ..read_deadlines import DeadlineSite, add_read_deadline_flags, read_deadlines
 from .app import DEADLINE_GUARD, Router, RouterConfig, create_app
 from .discovery import EndpointSliceWatch
@@ -131,6 +132,15 @@ def read_secret(path: str | None, env: str, flag: str) -> str | None:
             raise SystemExit(f"router: {flag} {path}: the file is empty")
         return value
     return os.environ.get(env) or None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`sovereign-runtime router`: bad flags are a usage error (one line, exit status 2)."""
+    problem = validate_router_args(args)
+    if problem:
+        raise UsageError(problem)
+    run_router(args)
+    return 0
 
 
 def run_router(args: argparse.Namespace) -> None:
