@@ -90,11 +90,27 @@ def wait_phase(kube: Kubectl, op: OperatorHandle, ns: str, name: str, phase: str
 
 
 def job_pod(kube: Kubectl, ns: str, job: str) -> dict[str, Any]:
-    def scheduled() -> dict[str, Any] | None:
-        pods = kube.items("pods", "-n", ns, "-l", f"{JOB_NAME}={job}")
-        return next((p for p in pods if p["spec"].get("nodeName")), None)
+    """A pod of the Job once kwok has played all its stages on it (Running, then Ready).
 
-    return dict(wait_for(f"a scheduled pod of Job {job}", scheduled, timeout=60))
+    The test writes the status the kubelet would only after that: kwok queues each stage with a delay
+    and plays it with the pod as it was when queued, and a later status that matches no stage (the
+    test's) does not cancel the queued one. A pod patched while a stage is pending gets kwok's status
+    written over the test's: a failed attempt turned back into a running container, which made
+    test_a_failing_download_says_why_in_status time out (whether it lost that race depended on timing).
+    """
+
+    def settled() -> dict[str, Any] | None:
+        pods = kube.items("pods", "-n", ns, "-l", f"{JOB_NAME}={job}")
+        return next((p for p in pods if p["spec"].get("nodeName") and _kwok_ready(p)), None)
+
+    return dict(wait_for(f"a pod of Job {job} started and Ready (kwok's last stage)", settled, timeout=60))
+
+
+def _kwok_ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    containers = status.get("containerStatuses") or []
+    return ready.get("status") == "True" and bool(containers) and all(c.get("ready") for c in containers)
 
 
 def finish(kube: Kubectl, ns: str, pod: dict[str, Any], result: dict[str, Any]) -> None:
@@ -131,7 +147,8 @@ def fail(kube: Kubectl, ns: str, pod: dict[str, Any], reason: str, message: str)
     result = {"event": "failed", "reason": reason, "message": message, "transient": False}
     status = {
         "phase": "Running",
-        # Ready keeps kwok's stages off this pod (they only touch pods that are not Ready).
+        # Ready keeps kwok's stages off this pod (they only match pods that are not Ready; job_pod
+        # waited until none is pending).
         "conditions": [{"type": "Ready", "status": "True"}],
         "containerStatuses": [
             {
