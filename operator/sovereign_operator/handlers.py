@@ -27,6 +27,7 @@ from sovereign_operator.autoscale.controller import AutoscaleController
 from sovereign_operator.autoscale.exporter import AutoscalerMetrics
 from sovereign_operator.downloadmonitor import DownloadMonitor
 from sovereign_operator.events import EventPoster
+from sovereign_operator.gone import DeploymentGone
 from sovereign_operator.kube import Kube
 from sovereign_operator.kvmonitor import KVHealthMonitor
 from sovereign_operator.loop import OperatorLoop
@@ -105,6 +106,7 @@ def assemble(
         output_monitor=output,
         download_monitor=DownloadMonitor(reconcile),
         startup_monitor=startup,
+        forget_also=reconciler.forget,
     )
     STATE.kube, STATE.events, STATE.reconciler, STATE.loop = kube, events, reconciler, loop
     STATE.startup = startup
@@ -174,6 +176,9 @@ async def apply_deployment(body: kopf.Body, retry: int, logger: logging.Logger, 
         outcome = await _reconciler().reconcile(body, retry=retry)
     except RetryLater as error:
         raise kopf.TemporaryError(str(error), delay=error.delay) from error
+    except DeploymentGone as gone:
+        logger.info("%s; nothing to apply", gone)  # deleted (or its namespace) before this handler ran
+        return
     if outcome.rendered is not None:
         logger.info("mode %s: %s", outcome.rendered.plan.mode, outcome.rendered.plan.reason)
 
@@ -192,6 +197,8 @@ async def _child_changed(event: Mapping[str, Any], body: kopf.Body, logger: logg
                 await STATE.reconciler.reconcile(live, force=True)
             return
         await STATE.reconciler.refresh_status(namespace, instance)
+    except DeploymentGone:
+        return  # deleted between the read and the reconcile
     except Exception as error:  # the next event retries; never crash the watch
         logger.warning("status refresh for %s/%s failed: %s", namespace, instance, error)
 

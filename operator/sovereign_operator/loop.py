@@ -10,6 +10,7 @@ the output-health monitor reads every worker pod's `/health/startup` (its self-t
 OUTPUT_INTERVAL_S, keeps `OutputHealthy` and, when the spec allows, restarts a failing pod; the
 download monitor reconciles a huggingFace source every DOWNLOAD_INTERVAL_S while its download runs;
 the startup monitor reads the phase of pods still starting every round (startupmonitor.py).
+A part that reads the object and finds it gone (gone.py) ends its rounds and every part's memory of it.
 
 Not a `@kopf.timer`: kopf puts a finalizer on every object a timer serves, and a namespace-restricted
 kopf stops serving a namespace marked for deletion before releasing those finalizers, so deleting
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from sovereign_operator.autoscale import AutoscalerConfig
 from sovereign_operator.autoscale.controller import AutoscaleController
 from sovereign_operator.downloadmonitor import DownloadMonitor
+from sovereign_operator.gone import DeploymentGone
 from sovereign_operator.kvmonitor import KVHealthMonitor
 from sovereign_operator.outputmonitor import OutputHealthMonitor
 from sovereign_operator.startupmonitor import StartupMonitor
@@ -56,6 +58,7 @@ class OperatorLoop:
         output_monitor: OutputHealthMonitor | None = None,
         download_monitor: DownloadMonitor | None = None,
         startup_monitor: StartupMonitor | None = None,
+        forget_also: Callable[[str, str], None] | None = None,
         tick_s: float = TICK_SECONDS,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -65,9 +68,14 @@ class OperatorLoop:
         self.output_monitor = output_monitor
         self.download_monitor = download_monitor
         self.startup_monitor = startup_monitor
+        # What else keeps memory per deployment (the reconciler): dropped with the monitors'.
+        self.forget_also = forget_also
         self.tick_s = tick_s
         self.log = logger or logging.getLogger(__name__)
         self.rounds: dict[Key, asyncio.Task[None]] = {}
+        # Objects a round found gone while kopf's index still serves their last body (a deleted
+        # namespace): key -> that body's uid, skipped until the index drops or replaces it.
+        self.gone: dict[Key, str | None] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -93,11 +101,15 @@ class OperatorLoop:
         """Start a round for every served LLMDeployment whose previous round has finished; forget
         the ones no longer served."""
         present: set[Key] = set()
+        indexed: set[Key] = set()
         for body in list(self.served()):
             meta = body["metadata"]
             key = (meta["namespace"], meta["name"])
+            indexed.add(key)
             if meta.get("deletionTimestamp"):
                 continue  # going away: owner references take the children, nothing to scale
+            if key in self.gone and self.gone[key] == meta.get("uid"):
+                continue  # found gone: its body is stale
             present.add(key)
             running = self.rounds.get(key)
             if running is not None and not running.done():
@@ -106,48 +118,56 @@ class OperatorLoop:
         for key in [k for k, task in self.rounds.items() if k not in present and task.done()]:
             # Deleted (or no longer served): drop its memory and its gauges.
             del self.rounds[key]
-            self.autoscaler.forget(*key)
-            self.kv_monitor.forget(*key)
-            if self.output_monitor is not None:
-                self.output_monitor.forget(*key)
-            if self.download_monitor is not None:
-                self.download_monitor.forget(*key)
-            if self.startup_monitor is not None:
-                self.startup_monitor.forget(*key)
+            self.forget(*key)
+        for key in [k for k in self.gone if k not in indexed]:
+            del self.gone[key]
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop everything every part keeps for one deployment."""
+        self.autoscaler.forget(namespace, name)
+        self.kv_monitor.forget(namespace, name)
+        for part in (self.output_monitor, self.download_monitor, self.startup_monitor):
+            if part is not None:
+                part.forget(namespace, name)
+        if self.forget_also is not None:
+            self.forget_also(namespace, name)
 
     async def _isolated(self, key: Key, body: Mapping[str, Any]) -> None:
         try:
             await self.round(key[0], key[1], body)
+        except DeploymentGone:
+            uid = (body.get("metadata") or {}).get("uid")
+            self.log.info("%s/%s is gone (deleted, or its namespace is): its rounds end", *key)
+            self.gone[key] = uid
+            self.forget(*key)
         except Exception as error:  # isolation: one object's failure never stops the loop or another
             self.log.warning("round for %s/%s failed: %s", key[0], key[1], error)
 
     async def round(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
         """One object's round: output health and KV health when due, autoscaling when its interval
         has passed (after output health, so it sees which pods fail their self-test). A failed part
-        is skipped until the next round, never retried in a hot loop. Starting pods are read every
-        round (a short startup budget must not run out between two reads)."""
+        is skipped until the next round, never retried in a hot loop; a part that finds the object
+        gone ends the round (DeploymentGone). Starting pods are read every round (a short startup
+        budget must not run out between two reads)."""
         if self.download_monitor is not None and self.download_monitor.due(namespace, name, body):
-            try:
-                await self.download_monitor.tick(namespace, name, body)
-            except Exception as error:
-                self.log.warning("model download round for %s/%s failed: %s", namespace, name, error)
+            await self._part(
+                "model download", namespace, name, self.download_monitor.tick(namespace, name, body)
+            )
         if self.startup_monitor is not None:
-            try:
-                await self.startup_monitor.tick(namespace, name, body)
-            except Exception as error:
-                self.log.warning("startup round for %s/%s failed: %s", namespace, name, error)
+            await self._part("startup", namespace, name, self.startup_monitor.tick(namespace, name, body))
         if self.output_monitor is not None and self.output_monitor.due(namespace, name):
-            try:
-                await self.output_monitor.tick(namespace, name, body)
-            except Exception as error:
-                self.log.warning("output health round for %s/%s failed: %s", namespace, name, error)
+            await self._part(
+                "output health", namespace, name, self.output_monitor.tick(namespace, name, body)
+            )
         if self.autoscaler.due(namespace, name, _interval_s(body)):
-            try:
-                await self.autoscaler.tick(namespace, name)
-            except Exception as error:
-                self.log.warning("autoscaling round for %s/%s failed: %s", namespace, name, error)
+            await self._part("autoscaling", namespace, name, self.autoscaler.tick(namespace, name))
         if self.kv_monitor.due(namespace, name, body):
-            try:
-                await self.kv_monitor.tick(namespace, name, body)
-            except Exception as error:
-                self.log.warning("KV health round for %s/%s failed: %s", namespace, name, error)
+            await self._part("KV health", namespace, name, self.kv_monitor.tick(namespace, name, body))
+
+    async def _part(self, what: str, namespace: str, name: str, work: Awaitable[Any]) -> None:
+        try:
+            await work
+        except DeploymentGone:
+            raise
+        except Exception as error:
+            self.log.warning("%s round for %s/%s failed: %s", what, namespace, name, error)

@@ -20,6 +20,7 @@ from sovereign_operator import metrics
 from sovereign_operator.api.document import InvalidDeployment, check_name, parse_spec
 from sovereign_operator.api.spec import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus
+from sovereign_operator.gone import gone_error, is_gone
 from sovereign_operator.modeldownload import JobView, assess, facts_from_status
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.podstatus import LifeMemory
@@ -154,7 +155,8 @@ class Reconciler:
         self._apply_slots = asyncio.Semaphore(max_concurrent_applies)
         # Digest of each child as last applied: a retry after a partial failure (or a re-render
         # that changes one child) sends only what differs. A forced reconcile sends everything.
-        self._applied: dict[tuple[str, str, str], str] = {}
+        # Keyed (namespace, deployment, kind, child name): forgetting one deployment touches no other's.
+        self._applied: dict[tuple[str, str, str, str], str] = {}
         self._refresh_waiting: set[tuple[str, str]] = set()
         # The same for shared objects (model caches), per deployment: each applies its own owner reference.
         self._applied_shared: dict[tuple[str, str, str, str], str] = {}
@@ -167,15 +169,15 @@ class Reconciler:
             del self._applied_shared[key]
         self.outcomes.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
-        owned = f"{name}-"
-        for key in [k for k in self._applied if k[0] == namespace and k[2].startswith(owned)]:
+        for key in [k for k in self._applied if k[:2] == (namespace, name)]:
             del self._applied[key]
 
     async def reconcile(self, body: Mapping[str, Any], retry: int = 0, force: bool = False) -> Outcome:
         """Render and apply one LLMDeployment, then refresh its status.
 
-        Raises RetryLater for transient failures; an unrealisable spec becomes a Degraded status
-        and a reported problem, not an exception, so nothing hot-loops.
+        Raises RetryLater for transient failures and DeploymentGone when the object no longer exists;
+        an unrealisable spec becomes a Degraded status and a reported problem, not an exception, so
+        nothing hot-loops.
         """
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -217,7 +219,13 @@ class Reconciler:
             live = await self.kube.get_deployment(*key)
         except Exception as error:
             raise self._classify(error, "reading the deployment", retry) from error
-        if live is not None and int(live["metadata"].get("generation") or 1) == generation:
+        if is_gone(body, live):
+            # Deleted, or its namespace is (a stale body from kopf's index): nothing to apply, and
+            # nothing of it to keep. Applying would only be refused ("namespace not found").
+            self.forget(*key)
+            raise gone_error(body)
+        assert live is not None
+        if int(live["metadata"].get("generation") or 1) == generation:
             # The body can predate the autoscaler's latest decision; rendering from it would put an
             # old replica count back on the StatefulSets until the next tick.
             status = live.get("status") or status
@@ -253,7 +261,7 @@ class Reconciler:
             async with self._apply_slots:
                 for child in rendered.children:
                     writing = _child_ref(child)
-                    child_key = (ref.namespace, child["kind"], child["metadata"]["name"])
+                    child_key = (ref.namespace, ref.name, child["kind"], child["metadata"]["name"])
                     child_digest = _digest([child])
                     if not force and self._applied.get(child_key) == child_digest:
                         continue

@@ -101,11 +101,15 @@ class StartupMonitor:
         if not instance or not meta.get("namespace") or not meta.get("name"):
             return
         key = (meta["namespace"], instance)
-        pods = self._pods.setdefault(key, {})
         if event_type == "DELETED":
-            pods.pop(meta["name"], None)
+            # The last pod of a deployment takes its entry along: nothing stays for a deleted one.
+            pods = self._pods.get(key)
+            if pods is not None:
+                pods.pop(meta["name"], None)
+                if not pods:
+                    del self._pods[key]
         else:
-            pods[meta["name"]] = dict(pod)
+            self._pods.setdefault(key, {})[meta["name"]] = dict(pod)
             lives = self._lives.setdefault(key, {})
             for status in container_statuses(pod):
                 life = current_life(pod, status)

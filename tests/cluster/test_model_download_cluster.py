@@ -16,18 +16,32 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster_helpers import Kubectl, OperatorHandle, condition, get_llmd, llmd, wait_for, wait_ready
+from cluster_helpers import (
+    OPERATOR_NAMESPACE,
+    OPERATOR_SA,
+    Kubectl,
+    OperatorHandle,
+    audit_log_path,
+    audited_writes,
+    condition,
+    get_llmd,
+    llmd,
+    wait_for,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.fake_gpu_nodes]
 
 COMMIT = "5c2b7d1e" * 5
 BYTES = 3 * 2**30
 JOB_NAME = "batch.kubernetes.io/job-name"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
 
 
 def hf_spec(storage_class: str, revision: str = "main") -> dict[str, Any]:
@@ -287,6 +301,34 @@ def test_a_failing_download_says_why_in_status(
         and downloaded["status"] == "False"
         and "Invalid rev id" in downloaded["message"]
     )
+
+
+def test_a_deleted_namespace_ends_the_download_rounds(
+    kube: Kubectl, operator: OperatorHandle, namespace: str, storage_class: str
+) -> None:
+    """The operator's memory of a deployment goes with its namespace: no more rounds, no writes.
+
+    A namespace-restricted kopf stops watching a namespace being deleted before its objects' DELETED
+    events arrive, so its index keeps their last bodies; an unsettled download used to be reconciled
+    from that stale body every 10 s for as long as the operator ran ("namespace not found")."""
+    audit = audit_log_path(kube)
+    if audit is None:
+        pytest.skip("needs the local control plane's audit log to see the operator's write attempts")
+    kube.apply(llmd("orphan", hf_spec(storage_class)), namespace)
+    wait_phase(kube, operator, namespace, "orphan", "Resolving")
+    wait_for("the resolve Job", lambda: jobs(kube, namespace, "model-resolve"))
+    kube.run("delete", "namespace", namespace, "--wait=true", "--timeout=90s", timeout=120)
+    gone = time.time()
+    # A download interval (10 s) and a loop tick (5 s): before the fix, one write attempt at least.
+    time.sleep(15)
+    operator.assert_alive()
+    tried = [
+        f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('name')} -> "
+        f"{(e.get('responseStatus') or {}).get('code')}"
+        for e in audited_writes(audit, OPERATOR_USER, gone)
+        if (e.get("objectRef") or {}).get("namespace") == namespace
+    ]
+    assert not tried, f"the operator still writes into the deleted namespace: {tried}\n{operator.tail()}"
 
 
 # ---- the Job for real --------------------------------------------------------------------------

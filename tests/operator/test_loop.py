@@ -15,6 +15,8 @@ from operator_fakes import FakeKube, body_for
 from operator_specs import TINY_SPEC
 from sovereign_operator import handlers, metrics
 from sovereign_operator.autoscale.controller import AutoscaleController
+from sovereign_operator.downloadmonitor import DownloadMonitor
+from sovereign_operator.gone import DeploymentGone
 from sovereign_operator.kvmonitor import KVHealthMonitor
 from sovereign_operator.loop import OperatorLoop
 from sovereign_operator.observe import Observed, Problem
@@ -175,3 +177,53 @@ def test_a_round_runs_the_autoscaler_and_the_kv_monitor_and_degraded_follows() -
     kv = kube.body["status"]["conditions"][-1]
     assert (kv["type"], kv["status"], kv["reason"]) == (KV_TRANSFER_HEALTHY, "Unknown", "PodsNotReady")
     assert refreshed == [("ns", "llm")]
+
+
+def test_a_deployment_found_gone_ends_its_rounds_and_every_parts_memory() -> None:
+    """kopf's index keeps the last body of an object whose namespace was deleted. The download monitor's
+    reconcile finds it gone: the loop forgets it everywhere (the reconciler too) and serves that body no
+    more, instead of reconciling it every 10 s for as long as the operator runs; the same name created
+    again (a new uid) is served."""
+    hf = {"model": {"source": {"huggingFace": {"repo": "org/model"}}}}
+    stale = {"metadata": {"namespace": "gone-ns", "name": "llm", "uid": "u1", "generation": 1}, "spec": hf}
+    served = [stale]
+    reconciles: list[str] = []
+
+    async def reconcile(body: Mapping[str, Any]) -> None:
+        reconciles.append(body["metadata"]["uid"])
+        if body["metadata"]["uid"] == "u1":
+            raise DeploymentGone("gone-ns", "llm", "u1")
+
+    autoscaler, monitor, reconciler = RecordingPart(), RecordingPart(), RecordingPart()
+    downloads = DownloadMonitor(reconcile, interval_s=0)
+    loop = OperatorLoop(
+        lambda: served,
+        autoscaler,  # type: ignore[arg-type]
+        monitor,  # type: ignore[arg-type]
+        download_monitor=downloads,
+        forget_also=reconciler.forget,
+    )
+    loop.autoscaler.due = lambda *args: False  # type: ignore[attr-defined]
+    monitor.due = lambda *args: False  # type: ignore[attr-defined]
+
+    async def settle() -> None:
+        loop.tick()
+        await asyncio.gather(*loop.rounds.values())
+
+    async def scenario() -> None:
+        await settle()
+        assert reconciles == ["u1"]
+        assert autoscaler.forgotten == monitor.forgotten == reconciler.forgotten == [("gone-ns", "llm")]
+        assert loop.gone == {("gone-ns", "llm"): "u1"}
+        for _ in range(3):
+            await settle()
+        assert reconciles == ["u1"] and not loop.rounds
+        served.append({**stale, "metadata": {**stale["metadata"], "uid": "u2"}})
+        await settle()
+        assert reconciles == ["u1", "u2"]
+        served.clear()
+        await settle()
+        assert not loop.gone and not loop.rounds
+        await loop.close()
+
+    asyncio.run(scenario())

@@ -11,6 +11,7 @@ from lightkube import codecs
 from operator_fakes import FakeKube, body_for
 from operator_specs import DEEPSEEK_SPEC, TINY_SPEC, with_changes
 from sovereign_operator.api import LLMDeploymentSpec
+from sovereign_operator.gone import DeploymentGone
 from sovereign_operator.observe import Problem
 from sovereign_operator.reconcile import Reconciler, RetryLater, backoff_seconds, replica_overrides
 from sovereign_operator.render import DeploymentRef, render
@@ -262,7 +263,13 @@ def test_a_burst_of_deployments_applies_at_most_the_bound_at_once() -> None:
         in_flight -= 1
         await original_apply(child)
 
+    bodies = {k.body["metadata"]["name"]: k.body for k in kubes}
+
+    async def get_deployment(namespace: str, name: str) -> dict[str, Any]:
+        return copy.deepcopy(bodies[name])  # each its own object (uid): none is mistaken for gone
+
     shared.apply = slow_apply  # type: ignore[method-assign]
+    shared.get_deployment = get_deployment  # type: ignore[method-assign]
     reconciler = Reconciler(shared, clock=_clock, max_concurrent_applies=3)
 
     async def scenario() -> None:
@@ -316,3 +323,38 @@ def test_refreshes_queued_behind_one_another_coalesce() -> None:
         assert reads - start == 2
 
     asyncio.run(scenario())
+
+
+def test_a_deployment_gone_from_the_apiserver_is_not_applied_and_leaves_no_memory() -> None:
+    """A body kopf still serves for an object that is gone (its namespace deleted): nothing is written
+    into a namespace that does not exist, and the reconciler forgets it."""
+    kube = FakeKube(body_for(TINY_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        stale, applied = copy.deepcopy(kube.body), kube.applies
+        assert reconciler.outcomes and reconciler._applied
+        kube.get_deployment = _absent  # type: ignore[method-assign]
+        with pytest.raises(DeploymentGone):
+            await reconciler.reconcile(stale)
+        assert kube.applies == applied
+        assert not reconciler.outcomes and not reconciler._applied and not reconciler._locks
+        # Deleted and created again under the same name: the old body is gone, the new one is served.
+        renewed = copy.deepcopy(stale)
+        renewed["metadata"]["uid"] = "uid-2"
+        kube.get_deployment = lambda namespace, name: _present(renewed)  # type: ignore[method-assign,assignment]
+        with pytest.raises(DeploymentGone):
+            await reconciler.reconcile(stale)
+        await reconciler.reconcile(renewed)
+        assert kube.applies > applied
+
+    asyncio.run(scenario())
+
+
+async def _absent(namespace: str, name: str) -> None:
+    return None
+
+
+async def _present(body: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy(body)

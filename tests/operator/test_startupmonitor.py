@@ -226,3 +226,6 @@ def test_deleted_pods_and_forgotten_deployments_leave_no_memory() -> None:
     assert monitor.starting("ns", "llm") == []
     monitor.forget("ns", "llm")
     assert monitor.lives("ns", "llm") == {}
+    # A pod's DELETED event after the deployment was forgotten (its namespace going) keeps nothing.
+    monitor.pod_event("DELETED", copy.deepcopy(pod))
+    assert not monitor._pods and not monitor._lives

@@ -20,6 +20,7 @@ import aiohttp
 
 from sovereign_operator.api.document import InvalidDeployment, parse_spec
 from sovereign_operator.api.spec import LLMDeploymentSpec, PoolAutoscaling
+from sovereign_operator.gone import DeploymentGone
 from sovereign_operator.render.plan import components_for
 from sovereign_operator.vocabulary import (
     METRICS_AVAILABLE,
@@ -275,9 +276,14 @@ class AutoscaleController:
 
     async def tick(self, namespace: str, name: str, force: bool = False) -> dict[str, PoolDecision] | None:
         """One autoscaling round for one LLMDeployment; None when nothing is autoscaled or it is
-        not time yet. Errors reading the cluster propagate (the loop retries next round)."""
+        not time yet. Errors reading the cluster propagate (the loop retries next round); DeploymentGone
+        when the object is gone."""
         live = await self.kube.get_deployment(namespace, name)
-        if live is None or live["metadata"].get("deletionTimestamp"):
+        if live is None:
+            # Deleted, or its namespace is: the loop drops every part's memory of it (gone.py).
+            self.forget(namespace, name)
+            raise DeploymentGone(namespace, name, None)
+        if live["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
             return None
         try:
