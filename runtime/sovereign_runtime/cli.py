@@ -26,6 +26,7 @@ from .program import UsageError
 from .program import main as main  # console scripts installed before program.py still call cli:main
 from .read_deadlines import add_read_deadline_flags, read_deadlines
 from .server import ServerConfig, create_app, serve
+from .server.app import jit_cache_dir
 
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_PREFIX = builtin.PREFIX
@@ -194,6 +195,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="test-only: hold startup in phase compiling this long (/health/startup answers 503 with the"
         " phase and its progress), as a slow kernel compilation would (needs --enable-fault-injection)",
     )
+    guard.add_argument(
+        "--debug-hold-compiling-cached-s",
+        type=_non_negative_float,
+        metavar="SECONDS",
+        help="test-only, with --debug-hold-compiling-s: the hold is a compilation whose result the JIT cache"
+        " keeps. A completed hold leaves a mark in the JIT cache directory ($TRITON_CACHE_DIR, else"
+        " ~/.triton/cache); a start that finds it holds this long instead (a warm cache)",
+    )
     spec = p.add_argument_group("speculative decoding (docs/runtime.md)")
     spec.add_argument(
         "--speculative-algorithm",
@@ -286,7 +295,11 @@ def kv_advertise_host(flag: str | None, host: str) -> str:
 
 
 # Flags that only tests and drills may use; each is refused unless --enable-fault-injection is given too.
-TEST_ONLY_FLAGS = (("--inject-fault", "inject_fault"), ("--debug-hold-compiling-s", "debug_hold_compiling_s"))
+TEST_ONLY_FLAGS = (
+    ("--inject-fault", "inject_fault"),
+    ("--debug-hold-compiling-s", "debug_hold_compiling_s"),
+    ("--debug-hold-compiling-cached-s", "debug_hold_compiling_cached_s"),
+)
 
 
 def check_test_only_flags(args: argparse.Namespace) -> None:
@@ -300,6 +313,10 @@ def check_test_only_flags(args: argparse.Namespace) -> None:
         raise UsageError(
             "serve: --enable-fault-injection needs --inject-fault SPEC or --debug-hold-compiling-s SECONDS"
             " (what to inject)"
+        )
+    if args.debug_hold_compiling_cached_s is not None and args.debug_hold_compiling_s is None:
+        raise UsageError(
+            "serve: --debug-hold-compiling-cached-s shortens the hold of --debug-hold-compiling-s; give both"
         )
 
 
@@ -383,6 +400,8 @@ def run_serve(args: argparse.Namespace) -> int:
         read_deadlines=read_deadlines(args),
         request_timeout_s=args.request_timeout,
         debug_hold_compiling_s=args.debug_hold_compiling_s or 0.0,
+        debug_hold_cached_s=args.debug_hold_compiling_cached_s,
+        debug_hold_cache_dir=jit_cache_dir(os.environ),
     )
     if args.role != "unified" and args.kv_transport == "rdma":
         try:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -437,6 +438,30 @@ def test_debug_hold_keeps_startup_in_compiling_with_rising_progress(
         assert srv.request("GET", "/health/ready")[0] == 200
     finally:
         srv.close()
+
+
+def test_a_cached_hold_is_short_once_a_completed_hold_marked_the_jit_cache(
+    engine: FakeEngine, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """--debug-hold-compiling-cached-s: the first start compiles (holds the full time) and leaves its mark
+    in the JIT cache; a later start on the same cache holds the cached time (a warm cache)."""
+    rt = LoadedRuntime(engine=engine, tokenizer=tokenizer, max_model_len=MAX_LEN)
+    config = ServerConfig(
+        served_model_name=MODEL,
+        debug_hold_compiling_s=1.0,
+        debug_hold_cached_s=0.0,
+        debug_hold_cache_dir=str(tmp_path / "triton"),
+    )
+    compiled: list[float] = []
+    for _ in range(2):
+        srv = LiveServer(create_app(config, loader=lambda progress: rt))
+        try:
+            _wait(lambda srv=srv: srv.request("GET", "/health/startup")[0] == 200)  # type: ignore[misc]
+            compiled.append(srv.request("GET", "/health/startup")[1]["phase_seconds"]["compiling"])
+        finally:
+            srv.close()
+    assert compiled[0] >= 1.0 > compiled[1]
+    assert json.loads((tmp_path / "triton" / "sovereign-debug-hold.json").read_text()) == {"held_s": 1.0}
 
 
 def test_failed_load_reports_failed_phase(tokenizer: Tokenizer) -> None:

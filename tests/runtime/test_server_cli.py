@@ -98,6 +98,11 @@ def test_api_key_file_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.Ca
         (["--inject-fault", "nan_layer=1"], "--inject-fault is for tests and drills only"),
         (["--enable-fault-injection"], "--enable-fault-injection needs --inject-fault SPEC or --debug-hold"),
         (["--enable-fault-injection", "--debug-hold-compiling-s", "0"], "--debug-hold-compiling-s"),
+        (["--debug-hold-compiling-cached-s", "1"], "--debug-hold-compiling-cached-s is for tests and drills"),
+        (
+            ["--enable-fault-injection", "--debug-hold-compiling-cached-s", "1"],
+            "--debug-hold-compiling-cached-s shortens the hold of --debug-hold-compiling-s; give both",
+        ),
     ],
 )
 def test_test_only_flags_need_the_explicit_opt_in(

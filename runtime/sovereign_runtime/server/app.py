@@ -8,9 +8,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -77,6 +78,10 @@ class ServerConfig:
     # Test-only (`--debug-hold-compiling-s`): hold startup in phase `compiling` this long, as a slow
     # kernel compilation would, so startup probes and the operator's phase reports can be exercised.
     debug_hold_compiling_s: float = 0.0
+    # Test-only (`--debug-hold-compiling-cached-s`): the hold is a compilation the JIT cache keeps; a
+    # start that finds the mark of a completed hold in `debug_hold_cache_dir` holds this long instead.
+    debug_hold_cached_s: float | None = None
+    debug_hold_cache_dir: str | None = None
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -243,7 +248,7 @@ async def _startup(app: web.Application) -> None:
                 await result
         state.runtime = rt
         if config.debug_hold_compiling_s > 0:
-            await _hold_compiling(state, config.debug_hold_compiling_s)
+            await _hold_compiling(state, config)
         if config.warmup:
             await _warm_up(state, rt)
         if rt.self_test is not None:
@@ -267,15 +272,39 @@ async def _startup(app: web.Application) -> None:
 HOLD_DETAIL = "held by --debug-hold-compiling-s (test only)"
 
 
-async def _hold_compiling(state: ServerState, seconds: float) -> None:
-    """Stay in phase `compiling` for `seconds`, progress rising with the time held (test-only hook)."""
-    log.warning("startup held in phase compiling for %g s (--debug-hold-compiling-s, tests only)", seconds)
+# What a completed hold leaves in the JIT cache directory (--debug-hold-compiling-cached-s).
+HOLD_CACHE_MARK = "sovereign-debug-hold.json"
+
+
+def jit_cache_dir(environ: Mapping[str, str]) -> str:
+    """Where Triton keeps compiled kernels: $TRITON_CACHE_DIR (the operator points it at the pod's JIT
+    cache volume), else Triton's own default."""
+    return environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+
+
+async def _hold_compiling(state: ServerState, config: ServerConfig) -> None:
+    """Stay in phase `compiling`, progress rising with the time held (test-only hook): the configured
+    time, or the cached time when the JIT cache holds the mark of an earlier completed hold."""
+    seconds, mark, warm = config.debug_hold_compiling_s, None, False
+    if config.debug_hold_cached_s is not None and config.debug_hold_cache_dir:
+        mark = Path(config.debug_hold_cache_dir) / HOLD_CACHE_MARK
+        warm = mark.exists()
+        seconds = config.debug_hold_cached_s if warm else seconds
+    log.warning(
+        "startup held in phase compiling for %g s (--debug-hold-compiling-s%s, tests only)",
+        seconds,
+        f"; the JIT cache {mark.parent} is {'warm' if warm else 'cold'}" if mark is not None else "",
+    )
     tick_s = min(1.0, max(0.05, seconds / 20))
     started = time.monotonic()
     while (elapsed := time.monotonic() - started) < seconds:
         state.report("compiling", elapsed / seconds, HOLD_DETAIL, quiet=elapsed > 0)
         await asyncio.sleep(min(tick_s, seconds - elapsed))
     state.report("compiling", 1.0, HOLD_DETAIL)
+    if mark is not None and not warm:
+        # Only a hold that completed is "compiled": a start cut short leaves the cache as cold as it was.
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(json.dumps({"held_s": seconds}))
 
 
 async def _warm_up(state: ServerState, rt: LoadedRuntime) -> None:
