@@ -6,6 +6,8 @@ Every write is a server-side apply under one field manager with force, or a merg
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +24,26 @@ from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
 from sovereign_operator.modeldownload import JOB_NAME_LABEL, JobView
 from sovereign_operator.observe import Observed
 from sovereign_operator.render.modelcache import SHARED_COMPONENTS
-from sovereign_operator.vocabulary import COMPONENT_LABEL, MANAGED_BY, owned_labels
+from sovereign_operator.startupbudget import GPU_PRODUCT_LABEL
+from sovereign_operator.vocabulary import (
+    COMPONENT_LABEL,
+    MANAGED_BY,
+    WORKER_COMPONENTS,
+    owned_labels,
+    pod_component,
+)
 
 FIELD_MANAGER = MANAGED_BY
 
 LLMDeploymentResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 # Lines of a download pod's log read for its latest progress line (it writes one every 10 s).
 LOG_TAIL_LINES = 20
+# Node labels kept per node (startupbudget.py types a start's node by them), and for how long.
+NODE_TYPE_LABELS = frozenset({GPU_PRODUCT_LABEL})
+NODE_LABELS_TTL_S = 3600.0
+NODE_LABELS_KEPT = 4096
+NODE_RETRY_S = 60.0
+log = logging.getLogger(__name__)
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
 _PRUNABLE = (StatefulSet, Service, PodDisruptionBudget, NetworkPolicy)
 
@@ -44,6 +59,9 @@ def shared_field_manager(owner_uid: str) -> str:
 class Kube:
     def __init__(self, client: AsyncClient, write_fence: Callable[[], None] | None = None) -> None:
         self.client = client
+        # Node name -> (when read, its typing labels): nodes rarely change type, pods read them often.
+        self._node_labels: dict[str, tuple[float, dict[str, str]]] = {}
+        self._node_failures: dict[str, float] = {}
         # Called before every write; raises when this process may not write (leadership.py).
         self._write_fence = write_fence or (lambda: None)
 
@@ -194,7 +212,44 @@ class Kube:
         async for deployment in self.client.list(Deployment, namespace=namespace, labels=labels):
             router = _as_dict(deployment)
         pods = [_as_dict(p) async for p in self.client.list(Pod, namespace=namespace, labels=labels)]
-        return Observed(statefulsets=statefulsets, router=router, pods=pods)
+        nodes = {
+            str(p["spec"]["nodeName"])
+            for p in pods
+            if pod_component(p) in WORKER_COMPONENTS and (p.get("spec") or {}).get("nodeName")
+        }
+        return Observed(
+            statefulsets=statefulsets, router=router, pods=pods, node_labels=await self.node_labels(nodes)
+        )
+
+    async def node_labels(self, names: set[str]) -> dict[str, dict[str, str]]:
+        """The labels that type a node (startupbudget.py), for the named nodes: read once per node and
+        NODE_LABELS_TTL_S (the operator may only list nodes: one list by name each). A node that cannot
+        be read is left out; its pods' starts wait for a later read."""
+        now = time.monotonic()
+        for name in sorted(names):
+            cached = self._node_labels.get(name)
+            if cached is not None and now - cached[0] < NODE_LABELS_TTL_S:
+                continue
+            failed = self._node_failures.get(name)
+            if failed is not None and now - failed < NODE_RETRY_S:
+                continue
+            try:
+                found = [node async for node in self.client.list(Node, fields={"metadata.name": name})]
+            except ApiError as error:
+                self._node_failures[name] = now
+                log.warning(
+                    "reading node %s failed (%s): starts on it are recorded once it can be read", name, error
+                )
+                continue
+            self._node_failures.pop(name, None)
+            if found:
+                labels = found[0].metadata.labels or {}
+                self._node_labels[name] = (now, {k: v for k, v in labels.items() if k in NODE_TYPE_LABELS})
+        while len(self._node_labels) > NODE_LABELS_KEPT:
+            self._node_labels.pop(next(iter(self._node_labels)))
+        while len(self._node_failures) > NODE_LABELS_KEPT:
+            self._node_failures.pop(next(iter(self._node_failures)))
+        return {name: self._node_labels[name][1] for name in names if name in self._node_labels}
 
     async def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None

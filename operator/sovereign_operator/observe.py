@@ -17,6 +17,7 @@ from sovereign_operator.api.status import (
     ModelStatus,
     PoolsStatus,
     PoolStatus,
+    StartupObservations,
 )
 from sovereign_operator.podstatus import (
     BudgetFacts,
@@ -29,6 +30,7 @@ from sovereign_operator.podstatus import (
     readiness_failing,
 )
 from sovereign_operator.render import Rendered
+from sovereign_operator.startupbudget import learn, observe_starts, record
 from sovereign_operator.vocabulary import (
     DEGRADED,
     KV_TRANSFER_HEALTHY,
@@ -60,6 +62,8 @@ class Observed:
     pods: list[dict[str, Any]] = field(default_factory=list)
     # What the startup monitor remembers of each container life (podstatus.LifeMemory), by life id.
     lives: Mapping[str, LifeMemory] = field(default_factory=dict)
+    # Labels of the nodes the worker pods run on, by node name (the GPU product names a start's node type).
+    node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,7 @@ def compute_status(
     all_ready = all(p.ready_replicas >= p.desired_replicas for p in pools.values()) and router_ready >= 1
     rolling = [c for c, p in pools.items() if _is_rolling(observed.statefulsets.get(c), p.desired_replicas)]
 
-    budget = BudgetFacts(rendered.budget.seconds, rendered.budget.overridden)
+    budget = BudgetFacts(rendered.budget.seconds, rendered.budget.overridden, rendered.budget.source)
     hard = pod_problems(observed.pods, observed.lives, budget)
     at = parse_rfc3339(now)
     soft = readiness_failing(observed.pods, at) if at is not None else []
@@ -255,6 +259,17 @@ def compute_status(
     else:
         progressing = cond(PROGRESSING, "False", "Stable", "all pools match the spec")
 
+    profiles = record(
+        before.startup_observations.profiles if before.startup_observations else [],
+        observe_starts(observed.pods, observed.node_labels, observed.lives),
+    )
+    learned = learn(profiles, rendered.spec_key, rendered.formula)
+    observations = (
+        StartupObservations(learned_seconds=learned.seconds, samples=learned.samples, profiles=profiles)
+        if profiles
+        else None
+    )
+
     def ratio(pool: PoolStatus | None) -> str | None:
         return None if pool is None else f"{pool.ready_replicas}/{pool.desired_replicas}"
 
@@ -271,6 +286,7 @@ def compute_status(
         endpoint=rendered.endpoint,
         startup_budget_seconds=rendered.budget.seconds,
         startup_budget=rendered.budget,
+        startup_observations=observations,
         pools=PoolsStatus(**pools),
         prefill_replicas=ratio(pools.get("prefill")),
         decode_replicas=ratio(decode_column),
@@ -333,10 +349,15 @@ def status_patch(current: dict[str, Any] | None, desired: LLMDeploymentStatus) -
         patch[key] = None
     for pool in set(current.get("pools") or {}) - set(want.get("pools") or {}):
         patch.setdefault("pools", {})[pool] = None
-    if isinstance(want.get("model"), dict) and isinstance(current.get("model"), dict):
-        # One writer owns status.model whole: fields it no longer sets (a cleared failure) go.
-        patch["model"] = _replacing(current["model"], want["model"])
+    for key in _REPLACED_WHOLE:
+        if isinstance(want.get(key), dict) and isinstance(current.get(key), dict):
+            # One writer owns these objects whole: fields it no longer sets (a cleared failure, a
+            # learned budget's numbers after a fallback) go.
+            patch[key] = _replacing(current[key], want[key])
     return patch
+
+
+_REPLACED_WHOLE = ("model", "startupBudget", "startupObservations")
 
 
 def _replacing(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

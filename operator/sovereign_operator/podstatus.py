@@ -14,7 +14,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sovereign_operator.vocabulary import parse_rfc3339, pod_component, pod_condition
+from sovereign_operator.vocabulary import (
+    BUDGET_SOURCE_ANNOTATION,
+    parse_rfc3339,
+    pod_component,
+    pod_condition,
+)
 
 # ---- reasons (Degraded and Events) -----------------------------------------------------------------
 
@@ -194,6 +199,8 @@ class StartupKill:
     window: ProbeWindow
     ran_seconds: float | None
     report: StartupReport | None
+    # The pod's budget was learned from observed starts (its template says so): the operator widens it.
+    learned: bool = False
 
 
 def startup_kill(
@@ -229,6 +236,7 @@ def ended_by_startup_probe(
         grace = int((pod.get("spec") or {}).get("terminationGracePeriodSeconds") or 30)
         if ran is None or ran > window.seconds + grace + 2 * window.period:
             return None
+    annotations = pod["metadata"].get("annotations") or {}
     return StartupKill(
         _name(pod),
         str(status.get("name")),
@@ -236,6 +244,7 @@ def ended_by_startup_probe(
         window,
         ran,
         memory.last_report if memory else None,
+        learned=annotations.get(BUDGET_SOURCE_ANNOTATION) == "observed",
     )
 
 
@@ -261,6 +270,7 @@ class BudgetFacts:
 
     seconds: int
     overridden: bool
+    source: str = "formula"
 
 
 def startup_kill_message(kill: StartupKill, budget: BudgetFacts | None) -> str:
@@ -270,6 +280,19 @@ def startup_kill_message(kill: StartupKill, budget: BudgetFacts | None) -> str:
         text += f" while the runtime was in {kill.report.describe()}"
     else:
         text += " (the operator did not read its startup phase before)"
+    if kill.learned:
+        # Its probe came from observed starts: the operator answers the overrun itself (startupbudget.py).
+        if budget is not None and kill.window.seconds < budget.seconds:
+            return (
+                text + f". That was a budget learned from observed starts; the operator has raised the"
+                f" budget to {budget.seconds} s ({budget.source}) and the pool's pods roll onto it"
+                " (status.startupBudget.reason says why)."
+            )
+        return (
+            text + ". That was a budget learned from observed starts, shorter than this start: the"
+            " operator widens it (twice the window overrun, at most the formula's cold value) and after"
+            " a second consecutive overrun falls back to the cold formula (docs/startup.md)."
+        )
     if budget is not None and kill.window.seconds < budget.seconds:
         return (
             text + f". The pod's probe allows less than the operator's budget ({budget.seconds} s): the"
@@ -461,15 +484,23 @@ def readiness_failing(pods: Iterable[Mapping[str, Any]], now: float) -> list[Pod
 def observed_startup_seconds(pod: Mapping[str, Any]) -> int | None:
     """Seconds from the start of the pod's current containers to its latest turn to Ready, for a
     pod that is Ready now (None otherwise)."""
+    start = observed_start(pod)
+    return None if start is None else start[1]
+
+
+def observed_start(pod: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(RFC 3339 start of the pod's current containers, seconds from then to its latest turn to
+    Ready) for a pod that is Ready now; the start names the containers' life."""
     ready = pod_condition(pod, "Ready") or {}
     if ready.get("status") != "True" or pod["metadata"].get("deletionTimestamp"):
         return None
     became_ready = parse_rfc3339(ready.get("lastTransitionTime"))
-    starts = [
-        parse_rfc3339(((s.get("state") or {}).get("running") or {}).get("startedAt"))
+    stamps = [
+        ((s.get("state") or {}).get("running") or {}).get("startedAt")
         for s in (pod.get("status") or {}).get("containerStatuses") or ()
     ]
-    if became_ready is None or not starts or any(s is None for s in starts):
+    starts = [(parse_rfc3339(stamp), stamp) for stamp in stamps]
+    if became_ready is None or not starts or any(at is None for at, _ in starts):
         return None
-    started = max(s for s in starts if s is not None)
-    return round(became_ready - started) if became_ready >= started else None
+    started, stamp = max((at, str(text)) for at, text in starts if at is not None)
+    return (stamp, round(became_ready - started)) if became_ready >= started else None

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from sovereign_operator import metrics
 from sovereign_operator.api.document import InvalidDeployment, check_name, parse_spec
 from sovereign_operator.api.spec import LLMDeploymentSpec
-from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus
+from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus, StartupBudget
 from sovereign_operator.gone import gone_error, is_gone
 from sovereign_operator.modeldownload import JobView, assess, facts_from_status
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
@@ -27,6 +27,7 @@ from sovereign_operator.podstatus import LifeMemory
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
 from sovereign_operator.render.modelcache import CONTAINER, ModelFacts, cache_objects
 from sovereign_operator.render.plan import OperatorDefaults, sticky_plan, with_operator_defaults
+from sovereign_operator.startupbudget import in_force, learn, previous_budget, previous_profiles
 from sovereign_operator.vocabulary import now_rfc3339
 
 
@@ -78,6 +79,15 @@ def replica_overrides(status: Mapping[str, Any] | None) -> dict[str, int]:
         if isinstance(decided, int):
             overrides[component] = decided
     return overrides
+
+
+def budget_in_force(rendered: Rendered, status: Mapping[str, Any] | None) -> StartupBudget:
+    """The startup budget to render: decided from the observed starts status records, and kept as
+    status says it was decided while the pods' template stays the same (startupbudget.py)."""
+    learned = learn(previous_profiles(status), rendered.spec_key, rendered.formula)
+    return in_force(
+        rendered.formula, learned, rendered.spec_key, rendered.template_hash, previous_budget(status)
+    )
 
 
 # Deployments whose children are being applied at once (see Reconciler._apply_slots).
@@ -160,6 +170,9 @@ class Reconciler:
         self._refresh_waiting: set[tuple[str, str]] = set()
         # The same for shared objects (model caches), per deployment: each applies its own owner reference.
         self._applied_shared: dict[tuple[str, str, str, str], str] = {}
+        # Deployments whose status refresh found an overrun of the learned startup budget in force:
+        # reconciled again at once (the overrunning pod keeps its probe until it is recreated).
+        self._budget_overrun: dict[tuple[str, str], Mapping[str, Any]] = {}
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -169,6 +182,7 @@ class Reconciler:
             del self._applied_shared[key]
         self.outcomes.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
+        self._budget_overrun.pop((namespace, name), None)
         for key in [k for k in self._applied if k[:2] == (namespace, name)]:
             del self._applied[key]
 
@@ -193,7 +207,18 @@ class Reconciler:
             finally:
                 metrics.DURATION.observe(time.monotonic() - started)
             await self._refresh_locked(key)
+            return await self._answer_overrun_locked(key, outcome)
+
+    async def _answer_overrun_locked(self, key: tuple[str, str], outcome: Outcome) -> Outcome:
+        """Render again when the refresh just recorded an overrun of the learned budget in force (once:
+        that render decides the widened budget or the fallback from what status now records)."""
+        live = self._budget_overrun.pop(key, None)
+        if live is None:
             return outcome
+        outcome = await self._reconcile_locked(live, key, 0, False)
+        await self._refresh_locked(key)
+        self._budget_overrun.pop(key, None)
+        return outcome
 
     async def _reconcile_locked(
         self, body: Mapping[str, Any], key: tuple[str, str], retry: int, force: bool
@@ -242,9 +267,13 @@ class Reconciler:
                 model_facts, model_status, job_missing = await self._assess_model(ref, spec, status)
             except Exception as error:
                 raise self._classify(error, "reading the model download Jobs", retry) from error
-        rendered = render(
-            ref, spec, facts, replica_overrides(status), decided, self.defaults, model=model_facts
-        )
+        overrides = replica_overrides(status)
+        rendered = render(ref, spec, facts, overrides, decided, self.defaults, model=model_facts)
+        budget = budget_in_force(rendered, status)
+        if budget != rendered.budget:
+            rendered = render(
+                ref, spec, facts, overrides, decided, self.defaults, model=model_facts, budget=budget
+            )
         digest = _digest(rendered.children + rendered.shared + [sorted(rendered.keep_shared)])
         previous = self.outcomes.get(key)
         if job_missing:
@@ -347,7 +376,10 @@ class Reconciler:
         try:
             async with self._lock(key):
                 self._refresh_waiting.discard(key)
-                return await self._refresh_locked(key)
+                wrote = await self._refresh_locked(key)
+                if key in self._budget_overrun and key in self.outcomes:
+                    await self._answer_overrun_locked(key, self.outcomes[key])
+                return wrote
         finally:
             self._refresh_waiting.discard(key)
 
@@ -383,6 +415,14 @@ class Reconciler:
         desired = compute_status(
             generation, outcome.rendered, observed, previous, self.clock(), outcome.problem, outcome.model
         )
+        rendered = outcome.rendered
+        if rendered is not None and desired.startup_observations is not None:
+            learned = learn(desired.startup_observations.profiles, rendered.spec_key, rendered.formula)
+            decided = in_force(
+                rendered.formula, learned, rendered.spec_key, rendered.template_hash, rendered.budget
+            )
+            if decided != rendered.budget:
+                self._budget_overrun[key] = live
         patch = status_patch(current, desired)
         if patch is None:
             return False

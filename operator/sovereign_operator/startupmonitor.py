@@ -66,7 +66,9 @@ def parse_report(body: Mapping[str, Any] | None) -> StartupReport | None:
 def _budget(body: Mapping[str, Any]) -> BudgetFacts | None:
     budget = (body.get("status") or {}).get("startupBudget") or {}
     seconds = budget.get("seconds")
-    return BudgetFacts(int(seconds), bool(budget.get("overridden"))) if isinstance(seconds, int) else None
+    if not isinstance(seconds, int):
+        return None
+    return BudgetFacts(int(seconds), bool(budget.get("overridden")), str(budget.get("source") or "formula"))
 
 
 class StartupMonitor:

@@ -24,6 +24,11 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 RUNTIME_PORT = 8000
 # Components whose pods run the runtime's `serve` (the router's pods do not).
 WORKER_COMPONENTS = ("prefill", "decode", "unified")
+# On worker pods (their template): what a start is a sample of (startupbudget.py), and whether the
+# startup probe's budget was learned (then an overrun widens it).
+MODEL_REVISION_ANNOTATION = "sovereign.ai/model-revision"
+MODEL_PRECISION_ANNOTATION = "sovereign.ai/model-precision"
+BUDGET_SOURCE_ANNOTATION = "sovereign.ai/startup-budget-source"
 
 
 def pool_name(deployment: str, component: str) -> str:

@@ -51,7 +51,10 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     )
 
 
-async def _with_fake_apiserver(scenario: Callable[[Kube, list[dict[str, Any]]], Awaitable[None]]) -> None:
+async def _with_fake_apiserver(
+    scenario: Callable[[Kube, list[dict[str, Any]]], Awaitable[None]],
+    pods: list[dict[str, Any]] | None = None,
+) -> None:
     requests: list[dict[str, Any]] = []
 
     async def handle(request: web.Request) -> web.Response:
@@ -78,11 +81,19 @@ async def _with_fake_apiserver(scenario: Callable[[Kube, list[dict[str, Any]]], 
             nodes = [
                 {"metadata": {"name": "a"}, "status": {"allocatable": {"cpu": "8", "rdma/hca": "0"}}},
                 {
-                    "metadata": {"name": "b"},
+                    "metadata": {
+                        "name": "b",
+                        "labels": {"nvidia.com/gpu.product": "NVIDIA-H200", "kubernetes.io/hostname": "b"},
+                    },
                     "status": {"allocatable": {"nvidia.com/gpu": "8", "rdma/ib": "4"}},
                 },
             ]
-            return _json(_list("Node", "v1", nodes))
+            wanted = request.query.get("fieldSelector", "").removeprefix("metadata.name=")
+            return _json(
+                _list("Node", "v1", [n for n in nodes if not wanted or n["metadata"]["name"] == wanted])
+            )
+        if path == "/api/v1/namespaces/ns/pods" and pods is not None:
+            return _json(_list("Pod", "v1", pods))
         if path == "/apis/apps/v1/namespaces/ns/statefulsets":
             return _json(_list("StatefulSet", "apps/v1", [STATEFULSET]))
         if request.method == "GET" and path.startswith("/apis/sovereign.ai/"):
@@ -160,6 +171,26 @@ def test_reads_nodes_children_and_a_missing_deployment() -> None:
         assert await kube.get_deployment("ns", "llm") is None
 
     asyncio.run(_with_fake_apiserver(scenario))
+
+
+def test_worker_pods_nodes_are_read_by_name_once_for_their_gpu_product() -> None:
+    worker = {
+        "metadata": {"name": "llm-unified-0", "labels": {"app.kubernetes.io/component": "unified"}},
+        "spec": {"nodeName": "b", "containers": [{"name": "runtime", "image": "i"}]},
+    }
+    router = {
+        "metadata": {"name": "llm-router-x", "labels": {"app.kubernetes.io/component": "router"}},
+        "spec": {"nodeName": "a", "containers": [{"name": "router", "image": "i"}]},
+    }
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        for _ in range(2):
+            observed = await kube.observe("ns", "llm")
+            assert observed.node_labels == {"b": {"nvidia.com/gpu.product": "NVIDIA-H200"}}
+        node_reads = [r for r in requests if r["path"] == "/api/v1/nodes"]
+        assert [r["query"]["fieldSelector"] for r in node_reads] == ["metadata.name=b"]  # once, by name
+
+    asyncio.run(_with_fake_apiserver(scenario, pods=[worker, router]))
 
 
 def test_prune_deletes_only_owned_children_not_rendered() -> None:

@@ -210,6 +210,18 @@ def test_the_computed_budget_too_short_points_at_the_jit_cache() -> None:
     assert "did not read its startup phase" in message  # the operator restarted in between
 
 
+def test_a_learned_budget_overrun_says_the_operator_answers_it() -> None:
+    learned = _killed_in_startup()
+    learned["metadata"]["annotations"] = {"sovereign.ai/startup-budget-source": "observed"}
+    lives = {"containerd://life-1": LifeMemory(COMPILING)}
+    _, message = one([learned], lives=lives, budget=BudgetFacts(60, False, "observed"))
+    assert "a budget learned from observed starts, shorter than this start: the operator widens it" in message
+    # Once the operator widened it, the pods that still have the old probe are no edit by someone else.
+    _, message = one([learned], lives=lives, budget=BudgetFacts(120, False, "observed"))
+    assert "the operator has raised the budget to 120 s (observed)" in message
+    assert "outside the operator" not in message
+
+
 def test_what_is_not_a_startup_probe_restart() -> None:
     budget = BudgetFacts(60, False)
     # It had started (a liveness restart later on): not a startup problem.

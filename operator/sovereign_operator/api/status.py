@@ -109,14 +109,106 @@ class PoolsStatus(ApiModel):
     )
 
 
+BudgetSource = Literal["formula", "observed", "override"]
+
+
 class StartupBudget(ApiModel):
-    """How the startup probe's budget was computed (see docs/startup.md)."""
+    """The startup probe's budget in force and how it was decided (see docs/startup.md).
+
+    Decided when the pools' pods roll anyway (a change of their template other than the probe) and
+    after an overrun of a learned budget; new observations alone never change it (they would roll every
+    pod): `startupObservations.learnedSeconds` is what the next rollout applies."""
 
     seconds: int = Field(description="The budget: the startup probe fails a pod after this long.")
     base_seconds: int = Field(description="Fixed part: process start, CUDA/NCCL initialisation.")
     weight_load_seconds: int = Field(description="Weight bytes over startup.readBandwidthMiBps.")
     jit_seconds: int = Field(description="Kernel compilation allowance (cold, or warm with a jitCache pvc).")
     overridden: bool = Field(False, description="True when startup.budgetSeconds set the budget.")
+    source: BudgetSource = Field(
+        "formula",
+        description="formula (base + weight load + JIT; no start observed yet, or the fallback after"
+        " overruns), observed (learned from starts) or override (startup.budgetSeconds).",
+    )
+    reason: str | None = Field(None, description="The decision in one line, with its numbers.")
+    formula_seconds: int | None = Field(
+        None, description="What the formula gives (base + weight load + JIT)."
+    )
+    cold_seconds: int | None = Field(
+        None,
+        description="The formula with the cold JIT allowance: the most a learned budget may be, and the"
+        " fallback after consecutive overruns.",
+    )
+    samples: int | None = Field(None, ge=0, description="Observed starts behind a learned budget.")
+    p95_seconds: int | None = Field(
+        None, description="95th percentile of those starts, on the slowest node type (nodeType)."
+    )
+    node_type: str | None = Field(
+        None, description="The node type (GPU product, or cpu) whose starts set a learned budget."
+    )
+    overruns: int | None = Field(
+        None, ge=0, description="Consecutive overruns of the learned budget this decision answered."
+    )
+    overrun_at: str | None = Field(
+        None,
+        description="RFC 3339 end of the newest overrun this decision answered (a newer one re-decides).",
+    )
+    pod_template_hash: str | None = Field(
+        None,
+        description="Digest of the worker pod templates, probe aside, it was decided for: when they change"
+        " (a rollout) the budget is decided again.",
+    )
+
+
+class StartupSample(ApiModel):
+    """One observed start: a container life from its start to the pod's Ready."""
+
+    pod: str = Field(description="The pod.")
+    started_at: str = Field(description="RFC 3339 start of the container (with the pod, which start).")
+    seconds: int = Field(ge=0, description="Container start to Ready, in seconds.")
+
+
+class StartupOverrun(ApiModel):
+    """A start the kubelet cut short by the startup probe while a learned budget was in force."""
+
+    pod: str = Field(description="The pod.")
+    started_at: str = Field(description="RFC 3339 start of the container life that was cut short.")
+    finished_at: str = Field(description="RFC 3339 end of that life.")
+    window_seconds: int = Field(ge=0, description="The probe's window it overran, in seconds.")
+
+
+class StartupProfile(ApiModel):
+    """Observed starts of one model revision and precision on one runtime image and node type."""
+
+    revision: str = Field(
+        description="The weights: repo@commit for huggingFace, else the source (builtin:, pvc:, hostPath:, image:)."
+    )
+    precision: str = Field(description="spec.model.precision of those pods.")
+    runtime_image: str = Field(description="The runtime image (its kernels are what is compiled at start).")
+    node_type: str = Field(description="The GPU product label of the nodes (nvidia.com/gpu.product), or cpu.")
+    samples: list[StartupSample] = Field(
+        default_factory=list, max_length=10, description="The latest successful starts, oldest first."
+    )
+    overruns: list[StartupOverrun] = Field(
+        default_factory=list,
+        max_length=4,
+        description="The latest overruns of a learned budget, oldest first.",
+    )
+    p95_seconds: int | None = Field(None, description="95th percentile of the samples (nearest rank).")
+    consecutive_overruns: int = Field(0, ge=0, description="Overruns since the newest successful start.")
+
+
+class StartupObservations(ApiModel):
+    """What observed starts say now: the history (bounded) and the budget the next rollout applies."""
+
+    learned_seconds: int | None = Field(
+        None,
+        description="The budget the observations give for the current spec: max(p95 × 1.5, base + weight"
+        " load) over its node types, at most the cold formula; none before a start was observed.",
+    )
+    samples: int = Field(0, ge=0, description="Observed starts of the current spec's profiles.")
+    profiles: list[StartupProfile] = Field(
+        default_factory=list, max_length=8, description="Per profile, the most recently active first."
+    )
 
 
 DownloadPhase = Literal["Resolving", "Downloading", "Complete", "Retrying", "Failed"]
@@ -178,7 +270,10 @@ class LLMDeploymentStatus(ApiModel):
     )
     endpoint: str | None = Field(None, description="The OpenAI base URL of the router Service.")
     startup_budget_seconds: int | None = Field(None, description="The startup probe's budget in seconds.")
-    startup_budget: StartupBudget | None = Field(None, description="How the startup budget was computed.")
+    startup_budget: StartupBudget | None = Field(None, description="How the startup budget was decided.")
+    startup_observations: StartupObservations | None = Field(
+        None, description="Observed starts (bounded history) and the budget they give (docs/startup.md)."
+    )
     pools: PoolsStatus | None = Field(None, description="Each pool's replicas and autoscaler decision.")
     model: ModelStatus | None = Field(None, description="The huggingFace source's download and cache.")
     # "ready/desired" summaries for the printer columns; in unified mode decode shows the pool.

@@ -28,15 +28,19 @@ from sovereign_operator.render.plan import (
     Component,
     ModePlan,
     OperatorDefaults,
+    SpecKey,
     plan_replicas,
+    pod_annotations,
     pool_spec_for,
     resolve_mode,
+    spec_key,
     startup_budget,
     startup_failure_threshold,
     with_operator_defaults,
 )
 from sovereign_operator.vocabulary import (
     APP_NAME,
+    BUDGET_SOURCE_ANNOTATION,
     COMPONENT_LABEL,
     INSTANCE_LABEL,
     MANAGED_BY,
@@ -130,9 +134,15 @@ class DeploymentRef:
 class Rendered:
     children: list[dict[str, Any]]
     plan: ModePlan
+    # The startup budget rendered into the probes (the formula's, or one decided from observed starts).
     budget: StartupBudget
     replicas: dict[Component, int]
     endpoint: str
+    # The formula's budget for this spec (what a learned budget starts from and is bounded by).
+    formula: StartupBudget
+    # What the pools' starts are samples of, and the digest of their pod templates without the probe.
+    spec_key: SpecKey
+    template_hash: str
     # A huggingFace source's shared objects (resolve Job, or cache claim and download Job): applied
     # under this deployment's own field manager, never pruned, released when no longer rendered.
     shared: list[dict[str, Any]] = field(default_factory=list)
@@ -349,7 +359,11 @@ def _worker_pod_template(
         mounts.insert(0, {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.insert(0, model_volume)
 
-    annotations = {SETTINGS_HASH_ANNOTATION: settings_hash}
+    # The profile its starts are samples of, and whether its probe's budget was learned.
+    annotations = {
+        SETTINGS_HASH_ANNOTATION: settings_hash,
+        **pod_annotations(spec_key(spec, serving), budget),
+    }
     container: dict[str, Any] = {
         "name": "runtime",
         "image": spec.runtime.image,
@@ -678,12 +692,14 @@ def render(
     resolved: ModePlan | None = None,
     defaults: OperatorDefaults | None = None,
     model: ModelFacts | None = None,
+    budget: StartupBudget | None = None,
 ) -> Rendered:
     """Every child of one LLMDeployment, in apply order.
 
     `resolved` is the mode decided earlier for this same spec generation; when given, the cluster
     facts are not consulted again (see `sticky_plan`). `model` is what the cluster said about a
-    huggingFace source (see modelcache.py); the pools render once its download is complete.
+    huggingFace source (see modelcache.py); the pools render once its download is complete. `budget`
+    is the startup budget decided from observed starts (startupbudget.py); without it, the formula's.
     """
     defaults = defaults or OperatorDefaults()
     spec = with_operator_defaults(spec, defaults)
@@ -699,7 +715,8 @@ def render(
     measured = (
         serving.bytes_total if serving else (model.resolved.bytes_total if model and model.resolved else None)
     )
-    budget = startup_budget(spec, measured)
+    formula = startup_budget(spec, measured)
+    budget = budget or formula
     replicas = plan_replicas(spec, plan.mode, replica_overrides or {})
     config = _config_map(ref, spec, plan)
     # Pods roll when the settings they read from the ConfigMap change.
@@ -723,8 +740,27 @@ def render(
         budget=budget,
         replicas=replicas,
         endpoint=endpoint_url(ref),
+        formula=formula,
+        spec_key=spec_key(spec, serving),
+        template_hash=pod_templates_hash(children),
         shared=cache.shared if cache is not None else [],
         keep_shared=frozenset({("PersistentVolumeClaim", serving.cache)} if serving is not None else ()),
         model=model,
         cache=cache,
     )
+
+
+def pod_templates_hash(children: list[dict[str, Any]]) -> str:
+    """A digest of the worker pod templates without what the startup budget sets (the probe's
+    failureThreshold and the budget-source annotation): it changes exactly when the pods roll for
+    another reason, which is when a learned budget may change too."""
+    templates = []
+    for child in children:
+        if child.get("kind") != "StatefulSet":
+            continue
+        template = json.loads(json.dumps(child["spec"]["template"]))
+        template.get("metadata", {}).get("annotations", {}).pop(BUDGET_SOURCE_ANNOTATION, None)
+        for container in template["spec"]["containers"]:
+            container.get("startupProbe", {}).pop("failureThreshold", None)
+        templates.append([child["metadata"]["name"], template])
+    return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()[:16]

@@ -18,7 +18,12 @@ from sovereign_operator.api.spec import (
     PoolSpec,
 )
 from sovereign_operator.api.status import StartupBudget
-from sovereign_operator.render.modelcache import DEFAULT_HF_ENDPOINT
+from sovereign_operator.render.modelcache import DEFAULT_HF_ENDPOINT, Serving
+from sovereign_operator.vocabulary import (
+    BUDGET_SOURCE_ANNOTATION,
+    MODEL_PRECISION_ANNOTATION,
+    MODEL_REVISION_ANNOTATION,
+)
 
 ResolvedMode = Literal["unified", "disaggregated"]
 Component = Literal["prefill", "decode", "unified"]
@@ -187,24 +192,80 @@ def has_persistent_jit_cache(spec: LLMDeploymentSpec) -> bool:
     return cache is not None and cache.pvc is not None
 
 
+def whole_periods(seconds: int) -> int:
+    """Seconds rounded up to whole startup-probe periods."""
+    return math.ceil(seconds / PROBE_PERIOD_SECONDS) * PROBE_PERIOD_SECONDS
+
+
 def startup_budget(spec: LLMDeploymentSpec, measured_bytes: int | None = None) -> StartupBudget:
-    """base + weight bytes / read bandwidth + JIT allowance, rounded up to whole probe periods."""
+    """base + weight bytes / read bandwidth + JIT allowance, rounded up to whole probe periods (or
+    spec.startup.budgetSeconds). Learned budgets start from this (startupbudget.py)."""
     load = math.ceil(weight_bytes(spec, measured_bytes) / (spec.startup.read_bandwidth_mibps * 2**20))
     kind = spec.model.precision if spec.uses_gpu() else "cpu"
     cold, warm = JIT_SECONDS[kind]
     jit = warm if has_persistent_jit_cache(spec) else cold
-    computed = BASE_STARTUP_SECONDS + load + jit
+    computed = whole_periods(BASE_STARTUP_SECONDS + load + jit)
     override = spec.startup.budget_seconds
-    total = override if override is not None else computed
-    total = math.ceil(total / PROBE_PERIOD_SECONDS) * PROBE_PERIOD_SECONDS
+    parts = f"base {BASE_STARTUP_SECONDS} s + weight load {load} s + JIT {jit} s"
+    if override is not None:
+        reason = f"spec.startup.budgetSeconds ({override} s) replaces the formula ({parts} = {computed} s)"
+    else:
+        reason = f"the formula: {parts} = {computed} s"
     return StartupBudget(
-        seconds=total,
+        seconds=whole_periods(override) if override is not None else computed,
         base_seconds=BASE_STARTUP_SECONDS,
         weight_load_seconds=load,
         jit_seconds=jit,
         overridden=override is not None,
+        source="override" if override is not None else "formula",
+        reason=reason,
+        formula_seconds=computed,
+        cold_seconds=whole_periods(BASE_STARTUP_SECONDS + load + cold),
     )
 
 
 def startup_failure_threshold(budget: StartupBudget) -> int:
     return budget.seconds // PROBE_PERIOD_SECONDS
+
+
+# ---- what a start is a sample of (startupbudget.py learns budgets from samples) -------------------
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    """What a start is a sample of, besides the node: the same for every pod of one spec."""
+
+    revision: str
+    precision: str
+    runtime_image: str
+
+    def describe(self) -> str:
+        return f"{self.revision} ({self.precision}) on {self.runtime_image}"
+
+
+def model_revision(spec: LLMDeploymentSpec, serving: Serving | None) -> str:
+    """The weights the pods read, as one string: repo@commit for huggingFace, else the source."""
+    source = spec.model.source
+    if source.hugging_face is not None:
+        return f"{source.hugging_face.repo}@{serving.commit if serving else source.hugging_face.revision}"
+    if source.builtin is not None:
+        return f"builtin:{source.builtin}"
+    if source.pvc is not None:
+        return f"pvc:{source.pvc.claim_name}/{source.pvc.path.strip('/')}"
+    if source.host_path is not None:
+        return f"hostPath:{source.host_path.path}"
+    assert source.image is not None
+    return f"image:{source.image.reference}/{source.image.path.strip('/')}"
+
+
+def spec_key(spec: LLMDeploymentSpec, serving: Serving | None) -> SpecKey:
+    """The profile of the current spec's pods (spec with the operator's defaults applied)."""
+    return SpecKey(model_revision(spec, serving), spec.model.precision, spec.runtime.image)
+
+
+def pod_annotations(key: SpecKey, budget: StartupBudget) -> dict[str, str]:
+    """What the worker pod template carries so that its starts can be attributed (and its overruns)."""
+    annotations = {MODEL_REVISION_ANNOTATION: key.revision, MODEL_PRECISION_ANNOTATION: key.precision}
+    if budget.source == "observed":
+        annotations[BUDGET_SOURCE_ANNOTATION] = "observed"
+    return annotations
