@@ -16,11 +16,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import builtin
-from .assembly import DTYPES, EngineOptions, make_loader, serve_worker, tensor_parallel_problem_for
+from .assembly import (
+    DTYPES,
+    EngineOptions,
+    GroupStart,
+    connect_group,
+    make_loader,
+    parallel_problem_for,
+    serve_rank,
+)
 from .disagg.service import ROLES, DisaggConfig, DisaggService
+from .engine.group import (
+    DEFAULT_PORT as DEFAULT_GROUP_PORT,
+)
+from .engine.group import (
+    GroupAddress,
+    GroupLayout,
+    GroupTimeouts,
+    Member,
+    exit_when_parent_dies,
+    node_address,
+    spawn_node_ranks,
+)
 from .engine.repetition import check_window
 from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, SpeculativeConfig
-from .engine.tensor_parallel import spawn_workers
 from .model.faults import FaultSpec
 from .program import UsageError
 from .program import main as main  # console scripts installed before program.py still call cli:main
@@ -29,7 +48,9 @@ from .server import ServerConfig, create_app, serve
 from .server.app import jit_cache_dir
 
 DEVICES = ("auto", "cpu", "cuda")
+
 BUILTIN_PREFIX = builtin.PREFIX
+log = logging.getLogger("sovereign_runtime")
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -104,16 +125,56 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name", metavar="NAME", help="model id clients send (default: from --model)"
     )
-    p.add_argument(
+    group = p.add_argument_group("parallelism (docs/engine.md, distributed)")
+    group.add_argument(
         "--tensor-parallel-size",
         type=_positive_int,
         default=1,
         metavar="N",
-        help="shard the model over N processes (one per GPU on CUDA); this one serves HTTP",
+        help="shard every layer over N ranks (one per GPU on CUDA); rank 0 serves HTTP",
     )
-    # Set by rank 0 on the worker processes it starts for --tensor-parallel-size (not for people).
-    p.add_argument("--tp-rank", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--tp-rendezvous", metavar="FILE", help=argparse.SUPPRESS)
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="split the layers into N stages, one after the other (with tensor parallelism: each stage"
+        " over --tensor-parallel-size ranks)",
+    )
+    group.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        metavar="N",
+        help="nodes (pods) the ranks are spread over, each starting its share; default $LWS_GROUP_SIZE, else 1",
+    )
+    group.add_argument(
+        "--node-rank",
+        type=_non_negative_int,
+        metavar="R",
+        help="this node's index, 0 for the leader (which serves HTTP); default $LWS_WORKER_INDEX, else 0",
+    )
+    group.add_argument(
+        "--leader-address",
+        metavar="HOST[:PORT]",
+        help=f"where the nodes meet: the leader's address and rendezvous port (default {DEFAULT_GROUP_PORT});"
+        " default $LWS_LEADER_ADDRESS (LeaderWorkerSet sets it)",
+    )
+    group.add_argument(
+        "--rendezvous-timeout",
+        type=_positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long the ranks wait for the whole group to join before all exit naming the missing ones",
+    )
+    group.add_argument(
+        "--rank-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a rank silent this long is dead: the whole group exits (status 1) and fails requests in flight",
+    )
+    # Set by a node on the ranks it starts as subprocesses (not for people).
+    p.add_argument("--group-rank", type=_non_negative_int, help=argparse.SUPPRESS)
     p.add_argument(
         "--max-model-len", type=_positive_int, metavar="TOKENS", help="context length (default: config)"
     )
@@ -325,19 +386,81 @@ def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
     check_test_only_flags(args)
     if args.inject_fault is None:
         return None
-    if args.tensor_parallel_size > 1:
-        raise UsageError("serve: --inject-fault works with --tensor-parallel-size 1 only")
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        raise UsageError(
+            "serve: --inject-fault works on one process only (--tensor-parallel-size and"
+            " --pipeline-parallel-size 1)"
+        )
     try:
         return FaultSpec.parse(args.inject_fault)
     except ValueError as exc:
         raise UsageError(f"serve: --inject-fault: {exc}") from None
 
 
-def check_tensor_parallel(args: argparse.Namespace, model_path: Path) -> None:
-    """Refuse a --tensor-parallel-size this model or machine cannot run, before starting anything."""
-    problem = tensor_parallel_problem_for(model_path, args.tensor_parallel_size, args.device)
+def _env_count(name: str, low: int) -> int | None:
+    """An integer from the environment (LeaderWorkerSet's), or None when unset; bad values refused."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"serve: ${name}={text!r} is not an integer") from None
+    if value < low:
+        raise UsageError(f"serve: ${name}={value} must be >= {low}")
+    return value
+
+
+def parallel_layout(args: argparse.Namespace) -> tuple[GroupLayout, int, GroupAddress]:
+    """The group's layout, this node's index and where the group meets, from the flags and LeaderWorkerSet's
+    environment (flags win; a flag contradicting the environment is refused)."""
+    env_nodes = _env_count("LWS_GROUP_SIZE", 1)
+    if args.nnodes is not None and env_nodes is not None and args.nnodes != env_nodes:
+        raise UsageError(
+            f"serve: --nnodes {args.nnodes} contradicts $LWS_GROUP_SIZE={env_nodes} (the pods in this group)"
+        )
+    nnodes = args.nnodes or env_nodes or 1
+    node = args.node_rank if args.node_rank is not None else _env_count("LWS_WORKER_INDEX", 0) or 0
+    if node >= nnodes:
+        raise UsageError(f"serve: --node-rank {node} must be below --nnodes {nnodes}")
+    layout = GroupLayout(args.tensor_parallel_size, args.pipeline_parallel_size, nnodes)
+    problem = layout.problem()
     if problem:
         raise UsageError(f"serve: {problem}")
+    text = args.leader_address or os.environ.get("LWS_LEADER_ADDRESS")
+    if text is None:
+        if nnodes > 1 or args.group_rank is not None:
+            raise UsageError(
+                f"serve: --nnodes {nnodes} needs --leader-address HOST[:PORT] (or $LWS_LEADER_ADDRESS, which"
+                " LeaderWorkerSet sets): where the nodes meet"
+            )
+        # One node: its ranks meet on a free loopback port.
+        return layout, node, GroupAddress("127.0.0.1", 0)
+    try:
+        address = GroupAddress.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"serve: --leader-address {exc}") from None
+    if nnodes == 1 and args.leader_address is None and args.group_rank is None:
+        address = GroupAddress("127.0.0.1", 0)  # a one-pod group ignores LeaderWorkerSet's address
+    return layout, node, address
+
+
+def check_parallel(args: argparse.Namespace, model_path: Path, layout: GroupLayout) -> None:
+    """Refuse a layout this model or machine cannot run, before starting anything."""
+    problem = parallel_problem_for(model_path, layout, args.device)
+    if problem:
+        raise UsageError(f"serve: {problem}")
+
+
+def _group_timeouts(args: argparse.Namespace) -> GroupTimeouts:
+    return GroupTimeouts(rendezvous_s=args.rendezvous_timeout, rank_s=args.rank_timeout)
+
+
+def _own_address(args: argparse.Namespace, layout: GroupLayout) -> str:
+    """This node's address for the group's connections (one node: loopback unless --host names one)."""
+    if layout.nnodes == 1 and args.host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return node_address(args.host)
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -367,10 +490,13 @@ def run_serve(args: argparse.Namespace) -> int:
     speculative = speculative_config(args)
     model_path = resolve_model(args.model)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tp_rank is not None:
-        return _run_tensor_parallel_worker(args, model_path)
-    if args.tensor_parallel_size > 1:
-        check_tensor_parallel(args, model_path)
+    layout, node, address = parallel_layout(args)
+    if args.group_rank is not None:
+        return _run_subprocess_rank(args, model_path, layout, address)
+    if layout.world_size > 1:
+        check_parallel(args, model_path, layout)
+    if node > 0:
+        return _run_worker_node(args, model_path, layout, node, address)
     api_key = read_api_key(args.api_key_file)
     name = args.served_model_name or (
         args.model if args.model.startswith(BUILTIN_PREFIX) else model_path.name
@@ -424,30 +550,68 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
         name,
     )
-    if args.tensor_parallel_size == 1:
+    if layout.world_size == 1:
         app = create_app(config, loader=disagg.wrap_loader(make_loader(options)))
         disagg.install(app)
         return asyncio.run(serve(app, args.host, args.port))
 
-    # Spawned before loading, so every rank reads its shard at the same time.
-    options.tensor_parallel = group = spawn_workers(args.serve_argv, args.tensor_parallel_size)
-    group.watch()
+    # Rank 0 hosts the group's store; this node's other ranks start now and load their shards while
+    # rank 0 loads its own and the other nodes join.
+    try:
+        group = connect_group(layout, 0, address, _group_timeouts(args), _own_address(args, layout))
+    except RuntimeError as exc:
+        log.error("serve: cannot host the group's rendezvous at %s: %s", address, exc)
+        return 1
+    group.children = spawn_node_ranks(args.serve_argv, layout, 0, group.address)
+    options.group = group
     try:
         app = create_app(config, loader=disagg.wrap_loader(make_loader(options)))
         disagg.install(app)
         return asyncio.run(serve(app, args.host, args.port))
     finally:
-        group.stop(timeout_s=5.0)  # normally already stopped by the runtime's close; kills stragglers
+        _stop_children(group)  # normally already stopped by the runtime's close; kills stragglers
 
 
-def _run_tensor_parallel_worker(args: argparse.Namespace, model_path: Path) -> int:
-    if args.tp_rendezvous is None or not 0 < args.tp_rank < args.tensor_parallel_size:
-        raise UsageError("serve: --tp-rank and --tp-rendezvous are set by rank 0 for its workers")
-    return serve_worker(
-        model_path,
-        args.device,
-        args.dtype,
-        args.tp_rank,
-        args.tensor_parallel_size,
-        args.tp_rendezvous,
-    )
+def _stop_children(group: GroupStart) -> None:
+    for child in group.children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _run_worker_node(
+    args: argparse.Namespace, model_path: Path, layout: GroupLayout, node: int, address: GroupAddress
+) -> int:
+    """A node other than the leader's: its first rank here, the others as subprocesses, and the node's
+    health endpoints on --host/--port for its probes (only the leader serves the API)."""
+    from .server.node_health import serve_node_health
+
+    joined: list[Member] = []
+    serve_node_health(lambda: joined[0] if joined else None, layout.node_ranks(node), args.host, args.port)
+    first = layout.node_ranks(node)[0]
+    try:
+        group = connect_group(layout, first, address, _group_timeouts(args), _own_address(args, layout))
+    except RuntimeError as exc:  # GroupError: the leader never answered
+        log.error("parallel group failed: %s; exiting", exc)
+        return 1
+    group.children = spawn_node_ranks(args.serve_argv, layout, node, address)
+    try:
+        return serve_rank(model_path, args.device, args.dtype, group, first, on_member=joined.append)
+    finally:
+        _stop_children(group)
+
+
+def _run_subprocess_rank(
+    args: argparse.Namespace, model_path: Path, layout: GroupLayout, address: GroupAddress
+) -> int:
+    if not 0 < args.group_rank < layout.world_size:
+        raise UsageError("serve: --group-rank is set by a node for the ranks it starts")
+    exit_when_parent_dies()
+    try:
+        group = connect_group(
+            layout, args.group_rank, address, _group_timeouts(args), _own_address(args, layout)
+        )
+    except RuntimeError as exc:
+        log.error("parallel group failed: %s; exiting", exc)
+        return 1
+    return serve_rank(model_path, args.device, args.dtype, group, args.group_rank)

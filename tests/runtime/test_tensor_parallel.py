@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU with gloo: sharded logits equal one rank's, the server's greedy answers equal
-the single-process server's (unified, and as a prefill/decode pair), KV rows written through the leader
-land in every rank's cache, bad sizes are refused, and no worker process outlives rank 0."""
+"""Parallel serving on one node (CPU, gloo): sharded and staged logits equal one rank's, the server's greedy
+answers equal the single-process server's (unified, and as a prefill/decode pair), KV rows written through
+the leader land in every rank's cache, bad sizes are refused, and no rank outlives the node's first.
+tests/runtime/test_multinode.py runs groups over several "hosts"."""
 
 from __future__ import annotations
 
@@ -51,24 +52,43 @@ def test_problem_names_the_dims_that_must_divide_and_the_valid_sizes(tiny_checkp
 
 
 @pytest.mark.parametrize(
-    ("flags", "needle"),
+    ("flags", "env", "needle"),
     [
-        (["--tensor-parallel-size", "3"], "valid sizes for this model: 1, 2, 4"),
-        (["--tensor-parallel-size", "8"], "must divide num_attention_heads (4)"),
-        (["--tensor-parallel-size", "2", "--device", "cuda"], "needs 2 CUDA devices"),
-        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--tensor-parallel-size", "3"], {}, "valid sizes for this model: 1, 2, 4"),
+        (["--tensor-parallel-size", "8"], {}, "must divide num_attention_heads (4)"),
+        (["--tensor-parallel-size", "2", "--device", "cuda"], {}, "need 2 CUDA devices"),
+        (["--tensor-parallel-size", "0"], {}, "--tensor-parallel-size"),
+        (["--pipeline-parallel-size", "4"], {}, "--pipeline-parallel-size 4: the model has 3 decoder layers"),
+        (["--tensor-parallel-size", "2", "--nnodes", "3"], {}, "cannot be split evenly over --nnodes 3"),
+        (["--pipeline-parallel-size", "2", "--nnodes", "2"], {}, "needs --leader-address HOST[:PORT]"),
+        (["--nnodes", "2", "--node-rank", "2", "--leader-address", "h"], {}, "--node-rank 2 must be below"),
+        (["--pipeline-parallel-size", "2", "--leader-address", "h:x"], {}, "the port must be a number"),
+        (
+            ["--nnodes", "2", "--pipeline-parallel-size", "2"],
+            {"LWS_GROUP_SIZE": "3"},
+            "contradicts $LWS_GROUP_SIZE",
+        ),
+        (["--pipeline-parallel-size", "2"], {"LWS_GROUP_SIZE": "two"}, "$LWS_GROUP_SIZE='two'"),
     ],
 )
-def test_serve_refuses_a_size_it_cannot_run_with_exit_2(
-    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+def test_serve_refuses_a_layout_it_cannot_run_with_exit_2(
+    flags: list[str],
+    env: dict[str, str],
+    needle: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if "cuda" in flags and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has 2 CUDA devices, so TP 2 on CUDA is valid here")
+    for name in ("LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     code = main(["serve", "--model", BUILTIN, *flags])
     err = capsys.readouterr().err
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "--tensor-parallel-size" in lines[0], err
+    assert len(lines) == 1 and needle in lines[0], err
 
 
 # ---- sharded loading --------------------------------------------------------------------------------
@@ -113,15 +133,18 @@ def test_fp8_shards_of_whole_blocks_stay_e4m3_and_others_are_split_dense(
 
 
 @pytest.mark.parametrize(
-    ("variant", "world_size"),
-    [("q_lora", 2), ("q_lora", 4), ("no_q_lora", 2), ("fp8", 2)],
+    ("variant", "tp", "pp"),
+    [("q_lora", 2, 1), ("q_lora", 4, 1), ("no_q_lora", 2, 1), ("fp8", 2, 1), ("q_lora", 1, 3), ("fp8", 2, 2)],
 )
 def test_sharded_logits_and_greedy_tokens_equal_one_rank(
     variant: str,
-    world_size: int,
+    tp: int,
+    pp: int,
     tiny_checkpoint_factory: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
+    # Pipeline stages run the step as micro-batches of whole sequences (one per stage): the logits of
+    # every row still equal one rank's.
     options = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "fp8": {"fp8": True}}[variant]
     # Workers resolve --model as serve does, which wants a tokenizer next to the weights.
     checkpoint = tmp_path / "ckpt"
@@ -130,7 +153,7 @@ def test_sharded_logits_and_greedy_tokens_equal_one_rank(
     expected = run_scenario(load_model(checkpoint, "cpu")[0])
 
     out = tmp_path / "tp.pt"
-    script = [sys.executable, str(HERE / "tp_support.py"), str(checkpoint), str(world_size), str(out)]
+    script = [sys.executable, str(HERE / "tp_support.py"), str(checkpoint), str(tp), str(pp), str(out)]
     done = subprocess.run(script, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     got = torch.load(out)
@@ -143,11 +166,11 @@ def test_sharded_logits_and_greedy_tokens_equal_one_rank(
 
 
 def test_rows_written_through_the_leader_land_identically_in_the_worker_cache(tmp_path: Path) -> None:
-    rendezvous = str(tmp_path / "rendezvous")
+    port = free_port()
     outs = [tmp_path / f"rank{rank}.pt" for rank in (0, 1)]
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "tp_support.py"), "rows", str(rank), rendezvous, str(out)],
+            [sys.executable, str(HERE / "tp_support.py"), "rows", str(rank), str(port), str(out)],
             env=ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -220,8 +243,7 @@ def _server(tensor_parallel_size: int, *flags: str) -> Iterator[tuple[subprocess
         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--num-kv-blocks", "64",
         "--max-num-seqs", "4", "--tensor-parallel-size", str(tensor_parallel_size), *flags,
     ]  # fmt: skip
-    # The rendezvous directory lives under TMPDIR; a SIGKILLed rank 0 cannot remove it, so give the
-    # server a scratch TMPDIR of its own and remove that.
+    # A scratch TMPDIR of the server's own (torch's and the ranks' temporary files), removed after.
     scratch = tempfile.mkdtemp(prefix="sovereign-tp-test-")
     env = {**ENV, "TMPDIR": scratch}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -363,7 +385,7 @@ def test_a_worker_crash_makes_rank0_exit_nonzero() -> None:
         os.kill(workers[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 1, out[-4000:]
-        assert "tensor-parallel rank 1 exited" in out
+        assert "parallel group failed: rank 1 (pid" in out and "exited with status -9" in out, out[-4000:]
 
 
 def test_tp2_with_mtp_speculation_answers_as_tp1_without_it() -> None:

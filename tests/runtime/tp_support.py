@@ -1,18 +1,20 @@
 """A fixed paged-cache scenario (batched prefill, decode steps, a mixed prefill + decode batch) whose logits
-the tensor-parallel tests compare across world sizes.
+the parallel tests compare across layouts.
 
-As a script (``python tp_support.py CHECKPOINT WORLD_SIZE OUT``) it runs the scenario as rank 0 of a CPU
-tensor-parallel group, with the workers started exactly as ``serve --tensor-parallel-size`` starts them,
-and saves the result with ``torch.save``.
+As a script (``python tp_support.py CHECKPOINT TP PP OUT``) it runs the scenario as rank 0 of a CPU group
+of TP x PP ranks on one node, the other ranks started exactly as ``serve`` starts them, and saves the result
+with ``torch.save``.
 
-``python tp_support.py rows RANK RENDEZVOUS OUT`` is one rank of a world of 2 for the KV-row broadcast:
-rank 0 writes ``ROW_WRITES`` through a ``TensorParallelLeader`` into a cache of each of ``ROW_DTYPES``, rank 1
-follows with ``run_worker``; each saves the caches it ended up with.
+``python tp_support.py rows RANK PORT OUT`` is one rank of a tensor-parallel world of 2 for the KV-row
+broadcast: rank 0 writes ``ROW_WRITES`` through a ``GroupLeader`` into a cache of each of ``ROW_DTYPES``,
+rank 1 follows with ``run_worker``; each saves the caches it ended up with.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ DECODE_STEPS = 4
 
 
 def run_scenario(model: Any) -> dict[str, Any]:
-    """Logits of every step and the greedy tokens, for ``model`` (a plain model or a TP leader)."""
+    """Logits of every step and the greedy tokens, for ``model`` (a plain model or a group's leader)."""
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
@@ -62,27 +64,36 @@ class _CacheHolder(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # the leader reads its device from a parameter
-        self.config = None
+        self.config = SimpleNamespace(num_hidden_layers=ROW_CACHE_SHAPE[0], num_nextn_predict_layers=0)
         self.caches: list[torch.Tensor] = []
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
         self.caches.append(cache)
 
 
-def _rows_main(rank: int, rendezvous: str, out: str) -> None:
-    from sovereign_runtime.engine.tensor_parallel import (
-        TensorParallelLeader,
+def _rows_main(rank: int, port: int, out: str) -> None:
+    from sovereign_runtime.assembly import connect_group, member_of
+    from sovereign_runtime.engine.group import (
+        GroupAddress,
+        GroupLayout,
+        GroupTimeouts,
         destroy_process_group,
         init_process_group,
-        run_worker,
+        rendezvous,
     )
+    from sovereign_runtime.engine.tensor_parallel import GroupLeader, Placement, run_worker
+    from sovereign_runtime.model.pipeline import PipelineStage
 
+    layout = GroupLayout(2, 1, 1)
+    group = connect_group(layout, rank, GroupAddress("127.0.0.1", port), GroupTimeouts(60, 30), "127.0.0.1")
+    rendezvous(group.store, layout, rank, "127.0.0.1", 60)
     device = torch.device("cpu")
-    init_process_group(rank, 2, rendezvous, device)
+    init_process_group(group.store, layout, rank, device, "127.0.0.1")
+    place = Placement(layout, rank, PipelineStage(0, 1, range(ROW_CACHE_SHAPE[0])), None, device)
     holder = _CacheHolder()
     result: dict[str, Any] = {}
     if rank == 0:
-        leader = TensorParallelLeader(holder)
+        leader = GroupLeader(holder, place, member_of(group, 0))
         generator = torch.Generator().manual_seed(3)
         written = []
         for dtype in ROW_DTYPES:
@@ -94,39 +105,32 @@ def _rows_main(rank: int, rendezvous: str, out: str) -> None:
         leader.stop_workers()
         result["written"] = written
     else:
-        run_worker(holder, device)
+        run_worker(holder, place)
     destroy_process_group()
     result["caches"] = holder.caches
     torch.save(result, out)
 
 
-def _main(checkpoint: str, world_size: int, out: str) -> None:
-    from sovereign_runtime.engine.tensor_parallel import (
-        TensorParallelLeader,
-        destroy_process_group,
-        init_process_group,
-        spawn_workers,
-    )
-    from sovereign_runtime.model import load_model
-    from sovereign_runtime.model.parallel import TensorParallel
+def _main(checkpoint: str, tp: int, pp: int, out: str) -> None:
+    from sovereign_runtime.assembly import connect_group, load_group_leader, member_of
+    from sovereign_runtime.engine.group import GroupAddress, GroupLayout, GroupTimeouts, spawn_node_ranks
 
-    argv = ["serve", "--model", checkpoint, "--device", "cpu", "--tensor-parallel-size", str(world_size)]
-    group = spawn_workers(argv, world_size)
-    group.watch()
-    init_process_group(0, world_size, group.rendezvous_file, torch.device("cpu"))
-    model, _ = load_model(checkpoint, "cpu", tensor_parallel=TensorParallel(0, world_size))
-    leader = TensorParallelLeader(model)
+    layout = GroupLayout(tp, pp, 1)
+    group = connect_group(layout, 0, GroupAddress("127.0.0.1", 0), GroupTimeouts(120, 30), "127.0.0.1")
+    argv = ["serve", "--model", checkpoint, "--device", "cpu", "--tensor-parallel-size", str(tp)]
+    group.children = spawn_node_ranks([*argv, "--pipeline-parallel-size", str(pp)], layout, 0, group.address)
+    member = member_of(group, 0)
+    leader = load_group_leader(Path(checkpoint), group, member, "cpu", None, lambda *_: None)
     result = run_scenario(leader)
     torch.save(result, out)
-    group.expect_exit()
     leader.stop_workers()
-    group.stop()
-    destroy_process_group()
+    member.wait_stopped(10)
+    member.wait_children(10)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "rows":
-        _rows_main(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        _rows_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
-        _main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+        _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -146,6 +146,12 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def fail_streams(self, error: BaseException) -> None:
+        """Deliver ``error`` to every open request now, without the engine thread: it may be blocked in a
+        collective with a dead peer (the replica's group failed). Safe from any thread."""
+        for rid in list(self._streams):
+            self._deliver(rid, error)
+
     def shutdown(self) -> None:
         self._stopped = True
         with self._wake:

@@ -130,7 +130,11 @@ class LLMEngine:
         self.num_transfer_layers = num_layers
         if cfg.speculative is not None:
             num_layers += 1
-        layout = KVLayout(num_layers, cfg.block_size, kv_cache_dim, dtype)
+        # A pipeline-parallel leader keeps only its stage's layers; the pool is sized so that the stage
+        # holding the most layers fits.
+        split = getattr(model, "kv_cache_layers", None)
+        local_layers, widest = split(num_layers) if split is not None else (num_layers, num_layers)
+        layout = KVLayout(widest, cfg.block_size, kv_cache_dim, dtype)
         # More blocks than max_num_seqs full contexts (twice, for the prefix cache) is wasted host RAM.
         useful = 2 * cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
         num_blocks = plan_num_blocks(
@@ -157,7 +161,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model,
-            num_layers=num_layers,
+            num_layers=local_layers,
             kv_cache_dim=kv_cache_dim,
             num_blocks=num_blocks,
             block_size=cfg.block_size,
@@ -184,10 +188,13 @@ class LLMEngine:
         self.speculative_unavailable: str | None = None
 
     @property
-    def transfer_kv_cache(self) -> torch.Tensor:
+    def transfer_kv_cache(self) -> Any:
         """The decoder layers' part of the KV cache (a view): what a prefill instance sends and a decode
-        instance receives. The MTP layer's pages after it stay each instance's own."""
-        return self.runner.kv_cache[: self.num_transfer_layers]
+        instance receives. The MTP layer's pages after it stay each instance's own. When the layers span
+        pipeline stages, the leader's ``StagedKVCache`` (rows move through it) instead of a tensor."""
+        staged = getattr(self.runner.model, "transfer_cache", None)
+        view = staged(self.num_transfer_layers) if staged is not None else None
+        return view if view is not None else self.runner.kv_cache[: self.num_transfer_layers]
 
     @classmethod
     def from_model(cls, model: Any, config: EngineConfig | None = None) -> LLMEngine:

@@ -59,6 +59,12 @@ class GuardedStep:
 Run = Callable[[ScheduledBatch], SamplerOutput]
 
 
+def _fatal(exc: Exception) -> bool:
+    """An exception no request caused (``fatal = True``: the replica's process group broke): re-running
+    parts of the batch cannot isolate it, so it fails every request."""
+    return bool(getattr(exc, "fatal", False))
+
+
 def sub_batch(batch: ScheduledBatch, keep: list[int]) -> ScheduledBatch:
     return ScheduledBatch(
         [batch.seqs[i] for i in keep],
@@ -113,7 +119,9 @@ class StepGuard:
     def execute(self, batch: ScheduledBatch, run: Run) -> GuardedStep:
         try:
             out = run(batch)
-        except Exception:
+        except Exception as exc:
+            if _fatal(exc):
+                raise
             parts, failures = self._isolated(batch, run)
         else:
             if NONFINITE not in out.token_ids:  # the common case: one scan of the sampled ids
@@ -204,6 +212,8 @@ class StepGuard:
             try:
                 return [(batch, run(batch))], {}
             except Exception as exc:
+                if _fatal(exc):
+                    raise
                 if len(batch) == 1:
                     seq = batch.seqs[0]
                     self.stats.isolated_exceptions_total += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,7 +28,8 @@ class RemoteSlot:
     num_cached: int
     num_prompt: int
     block_table: list[int]
-    kv_cache: torch.Tensor
+    # The decoder layers' cache: a tensor, or a pipeline-parallel leader's StagedKVCache (its shape).
+    kv_cache: Any
     block_size: int
     # Writes rows into ``kv_cache`` (``writer(layer, slot_index, rows)``) when a plain ``index_copy_`` is
     # not enough: under tensor parallelism it replicates them to every rank. None: write directly.

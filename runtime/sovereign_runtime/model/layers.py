@@ -533,6 +533,10 @@ class DecoderLayer(nn.Module):
     """Attention then MLP/MoE, each residual. With ``tp_size`` > 1 both halves are sharded
     (model/parallel.py) and each ends with one all-reduce of the ranks' partial sums."""
 
+    # The process group the partial sums are reduced over (None: the default group). Set by
+    # ``model.parallel.set_tensor_parallel_group`` when pipeline stages each have their own.
+    tp_group: object | None = None
+
     def __init__(
         self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp_size: int = 1
     ) -> None:
@@ -551,5 +555,6 @@ class DecoderLayer(nn.Module):
         if self.tp_size == 1:
             x = x + self.self_attn(self.input_layernorm(x), positions)
             return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + reduce_partial_sums(self.self_attn(self.input_layernorm(x), positions), self.tp_size)
-        return x + reduce_partial_sums(self.mlp(self.post_attention_layernorm(x)), self.tp_size)
+        group = self.tp_group
+        x = x + reduce_partial_sums(self.self_attn(self.input_layernorm(x), positions), self.tp_size, group)
+        return x + reduce_partial_sums(self.mlp(self.post_attention_layernorm(x)), self.tp_size, group)

@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .fp8 import dequantize_fp8_block, swap_in_fp8_linears
 from .parallel import TensorParallel, shard, shard_dim
+from .pipeline import PipelineStage, strip_to_stage
 
 log = logging.getLogger("sovereign_runtime.model")
 
@@ -70,6 +71,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     keep_fp8: bool | None = None,
     tensor_parallel: TensorParallel | None = None,
+    pipeline: PipelineStage | None = None,
 ) -> tuple[DeepseekV3ForCausalLM, ModelConfig]:
     """Build the model from ``path`` (config.json + safetensors) on ``device``.
 
@@ -81,6 +83,9 @@ def load_model(
     weight stays e4m3 when its slice is whole 128×128 blocks (V3's at TP 8: the slice's e4m3 values and
     scale rows/columns are taken as they are); otherwise it is dequantised on the CPU and the dense copy is
     split, which is always exact and only costs memory on dims no real checkpoint has.
+
+    ``pipeline`` loads only what that stage holds (model/pipeline.py): the checkpoint's other tensors are
+    not read.
     """
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
@@ -90,8 +95,10 @@ def load_model(
     if keep_fp8 is None:
         keep_fp8 = device.type == "cuda"
     tp = tensor_parallel or TensorParallel()
+    stage = pipeline or PipelineStage.of(config, 0, 1)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config, tp.size)
+        strip_to_stage(model, stage)
 
     with open_checkpoint(path) as raw:
         if keep_fp8:
@@ -100,14 +107,14 @@ def load_model(
                 for n in raw
                 if n.endswith(".weight_scale_inv")
             }
-            modules = {n[: -len(".weight")] for n in quantised if n is not None}
+            modules = {n[: -len(".weight")] for n in quantised if n is not None and stage.holds(n, config)}
             if tp.size > 1:
                 modules = {m for m in modules if _fp8_slice_is_whole_blocks(model, m, config)}
             with torch.device("meta"):
                 swap_in_fp8_linears(model, modules, config.fp8_block_size)
         expected = dict(model.state_dict())
-        state = _load_state(raw, config, expected, device, dtype, path, tp)
-    if config.tie_word_embeddings and "lm_head.weight" not in state:
+        state = _load_state(raw, config, expected, device, dtype, path, tp, stage)
+    if config.tie_word_embeddings and "lm_head.weight" in expected and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
     unavailable = None
@@ -164,12 +171,13 @@ def _load_state(
     dtype: torch.dtype,
     path: Path,
     tp: TensorParallel,
+    stage: PipelineStage,
 ) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     block = config.fp8_block_size
     for name, load in raw.items():
         target = _module_name(name, config)
-        if target is None:
+        if target is None or not stage.holds(target, config):
             continue
         split = shard_dim(target) if tp.size > 1 else None
         if name.endswith("weight_scale_inv"):

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .config import ModelConfig
 
@@ -88,8 +90,17 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     )
 
 
-def reduce_partial_sums(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum a row-parallel layer's partial outputs over the ranks (in place); a no-op without TP."""
+def reduce_partial_sums(x: torch.Tensor, tp_size: int, group: Any = None) -> torch.Tensor:
+    """Sum a row-parallel layer's partial outputs over the ranks of ``group`` (in place; None: the default
+    group); a no-op without TP."""
     if tp_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
     return x
+
+
+def set_tensor_parallel_group(model: nn.Module, group: Any) -> None:
+    """Reduce every decoder layer's partial sums (MTP layers included) over ``group``: under pipeline
+    parallelism each stage's ranks form their own tensor-parallel group."""
+    for module in model.modules():
+        if hasattr(module, "tp_group") and hasattr(module, "self_attn"):
+            module.tp_group = group

@@ -32,6 +32,9 @@ class PagedRunner:
     ) -> None:
         param = model.lm_head.weight
         layers = len(model.attention_layers()) if include_mtp else model.config.num_hidden_layers
+        split = getattr(model, "kv_cache_layers", None)  # a pipeline-parallel leader keeps its stage's
+        if split is not None:
+            layers = split(layers)[0]
         self.model = model
         self.block_size = block_size
         self.device = param.device

@@ -352,6 +352,10 @@ class _Api:
             )
         if not self.state.ready:
             return _json({"status": "starting", **self.state.snapshot()}, status=503)
+        rt = self.state.runtime
+        group = rt.group_problem() if rt is not None and rt.group_problem is not None else None
+        if group is not None:  # ready only while every rank of the replica is
+            return _json({"status": "group_unhealthy", "reason": group}, status=503)
         return _json({"status": "ready"})
 
     async def startup(self, request: web.Request) -> web.Response:

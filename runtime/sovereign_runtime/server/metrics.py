@@ -17,7 +17,15 @@ from prometheus_client.registry import Collector
 from ..engine.api import EngineStats
 from ..read_deadlines import TIMEOUT_KINDS
 
-STARTUP_PHASES = ("loading_weights", "compiling", "warming_up", "self_test", "ready", "failed")
+STARTUP_PHASES = (
+    "joining_group",
+    "loading_weights",
+    "compiling",
+    "warming_up",
+    "self_test",
+    "ready",
+    "failed",
+)
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -68,6 +68,9 @@ class LoadedRuntime:
     # Speculative decoding as served, for /v1/models: ``enabled`` and, when asked for, the algorithm,
     # draft length and, where the checkpoint cannot, the ``reason``.
     speculative: dict[str, Any] | None = None
+    # A parallel group's health beyond this process (None: one process): why the replica must not take
+    # traffic now (a rank's heartbeat is late), or None.
+    group_problem: Callable[[], str | None] | None = None
 
 
 Loader = Callable[[ProgressFn], LoadedRuntime]
