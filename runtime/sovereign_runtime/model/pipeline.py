@@ -209,9 +209,10 @@ def split_micro_batches(meta: AttentionMetadata, parts: int) -> list[MicroBatch]
     cuts = [0]
     for k in range(1, parts):
         target = total * k / parts
-        # The first sequence boundary at or past the k-th share, leaving room for the parts after it.
-        seq = next(i for i in range(cuts[-1] + 1, num_seqs + 1) if starts[i] >= target or i == num_seqs)
-        cuts.append(min(seq, num_seqs - (parts - k)))
+        # The sequence boundary nearest the k-th share (ties: the later one), leaving at least one
+        # sequence for each part after it.
+        allowed = range(cuts[-1] + 1, num_seqs - (parts - k) + 1)
+        cuts.append(min(allowed, key=lambda i: (abs(starts[i] - target), starts[i] < target)))
     cuts.append(num_seqs)
     context = meta.context_lens.tolist()
     batches = []
