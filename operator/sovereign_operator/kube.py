@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lightkube import ApiError, AsyncClient, codecs
 from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.batch_v1 import Job
 from lightkube.resources.core_v1 import Node, PersistentVolumeClaim, Pod, Service
@@ -27,6 +28,11 @@ from sovereign_operator.render.modelcache import SHARED_COMPONENTS
 from sovereign_operator.startupbudget import GPU_PRODUCT_LABEL
 from sovereign_operator.vocabulary import (
     COMPONENT_LABEL,
+    LWS_CRD,
+    LWS_GROUP,
+    LWS_KIND,
+    LWS_PLURAL,
+    LWS_VERSION,
     MANAGED_BY,
     WORKER_COMPONENTS,
     owned_labels,
@@ -44,8 +50,10 @@ NODE_LABELS_TTL_S = 3600.0
 NODE_LABELS_KEPT = 4096
 NODE_RETRY_S = 60.0
 log = logging.getLogger(__name__)
+# Registered with lightkube's codecs, so applying a rendered LeaderWorkerSet dict works like any kind.
+LeaderWorkerSetResource = create_namespaced_resource(LWS_GROUP, LWS_VERSION, LWS_KIND, LWS_PLURAL)
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
-_PRUNABLE = (StatefulSet, Service, PodDisruptionBudget, NetworkPolicy)
+_PRUNABLE = (StatefulSet, LeaderWorkerSetResource, Service, PodDisruptionBudget, NetworkPolicy)
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -162,7 +170,7 @@ class Kube:
         """Delete pool children this deployment owns that the current render no longer has."""
         deleted = []
         for kind in _PRUNABLE:
-            async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels(instance)):
+            async for obj in self._list_if_served(kind, namespace, owned_labels(instance)):
                 meta = obj.metadata
                 owners = [ref.uid for ref in (meta.ownerReferences or []) if ref.controller]
                 if (kind.__name__, meta.name) in keep or owner_uid not in owners:
@@ -171,6 +179,26 @@ class Kube:
                 await self.client.delete(kind, meta.name, namespace=namespace)
                 deleted.append(f"{kind.__name__}/{meta.name}")
         return deleted
+
+    async def _list_if_served(self, kind: Any, namespace: str, labels: dict[str, str]) -> AsyncIterator[Any]:
+        """The objects of ``kind``; none when the apiserver does not serve the kind (LeaderWorkerSet not
+        installed)."""
+        try:
+            async for obj in self.client.list(kind, namespace=namespace, labels=labels):
+                yield obj
+        except ApiError as error:
+            if error.status.code != 404:
+                raise
+
+    async def leader_worker_set_installed(self) -> bool:
+        """Whether the LeaderWorkerSet CRD (multi-node pools) is installed."""
+        try:
+            await self.client.get(CustomResourceDefinition, LWS_CRD)
+        except ApiError as error:
+            if error.status.code == 404:
+                return False
+            raise
+        return True
 
     async def advertised_resources(self) -> frozenset[str]:
         """Extended resources with a non-zero allocatable quantity on at least one node."""
@@ -208,6 +236,11 @@ class Kube:
             component = (sts.metadata.labels or {}).get(COMPONENT_LABEL)
             if component:
                 statefulsets[component] = _as_dict(sts)
+        groups: dict[str, dict[str, Any]] = {}
+        async for lws in self._list_if_served(LeaderWorkerSetResource, namespace, labels):
+            component = (lws.metadata.labels or {}).get(COMPONENT_LABEL)
+            if component:
+                groups[component] = _as_dict(lws)
         router = None
         async for deployment in self.client.list(Deployment, namespace=namespace, labels=labels):
             router = _as_dict(deployment)
@@ -218,7 +251,11 @@ class Kube:
             if pod_component(p) in WORKER_COMPONENTS and (p.get("spec") or {}).get("nodeName")
         }
         return Observed(
-            statefulsets=statefulsets, router=router, pods=pods, node_labels=await self.node_labels(nodes)
+            statefulsets=statefulsets,
+            router=router,
+            pods=pods,
+            node_labels=await self.node_labels(nodes),
+            leader_worker_sets=groups,
         )
 
     async def node_labels(self, names: set[str]) -> dict[str, dict[str, str]]:

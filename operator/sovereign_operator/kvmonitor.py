@@ -33,6 +33,7 @@ from sovereign_operator.vocabulary import (
     find_condition,
     pod_component,
     pod_is_ready,
+    pod_serves,
     pod_url,
     same_condition,
 )
@@ -126,7 +127,8 @@ class KVHealthMonitor:
         targets: list[tuple[str, str, str]] = []
         for pod in pods:
             component = pod_component(pod)
-            if component is None or component not in ready or not pod_is_ready(pod):
+            # A multi-node group's KV goes through its leader; its workers have no KV endpoint.
+            if component is None or component not in ready or not pod_is_ready(pod) or not pod_serves(pod):
                 continue
             ready[component] += 1
             url = self.pod_url(pod)

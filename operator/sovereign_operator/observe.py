@@ -13,6 +13,7 @@ from typing import Any
 from sovereign_operator import vocabulary
 from sovereign_operator.api.status import (
     Condition,
+    GroupStatus,
     LLMDeploymentStatus,
     ModelStatus,
     PoolsStatus,
@@ -20,6 +21,9 @@ from sovereign_operator.api.status import (
     StartupObservations,
 )
 from sovereign_operator.podstatus import (
+    CONTAINER_CONFIG_REASONS,
+    CRASH_LOOP,
+    IMAGE_PULL_WAITING,
     BudgetFacts,
     LifeMemory,
     PodProblem,
@@ -34,6 +38,9 @@ from sovereign_operator.startupbudget import learn, observe_starts, record
 from sovereign_operator.vocabulary import (
     DEGRADED,
     KV_TRANSFER_HEALTHY,
+    LWS_GROUP_INDEX_LABEL,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
     MODEL_DOWNLOADED,
     OUTPUT_HEALTHY,
     PROGRESSING,
@@ -42,6 +49,8 @@ from sovereign_operator.vocabulary import (
     WORKER_COMPONENTS,
     parse_rfc3339,
     pod_component,
+    pod_is_ready,
+    pod_serves,
 )
 
 # Degraded's reason while KVTransferHealthy is False (the message carries the condition's own).
@@ -64,6 +73,12 @@ class Observed:
     lives: Mapping[str, LifeMemory] = field(default_factory=dict)
     # Labels of the nodes the worker pods run on, by node name (the GPU product names a start's node type).
     node_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Multi-node pools: their LeaderWorkerSets (replicas, readyReplicas... count groups).
+    leader_worker_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def pool_set(self, component: str) -> dict[str, Any] | None:
+        """The object running a pool's replicas: its LeaderWorkerSet, else its StatefulSet."""
+        return self.leader_worker_sets.get(component) or self.statefulsets.get(component)
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,85 @@ def _pool_status(desired: int, statefulset: dict[str, Any] | None, pods: list[di
         updated_replicas=int(observed.get("updatedReplicas") or 0),
         observed_startup_seconds=max(startups) if startups else None,
     )
+
+
+# Waiting reasons of a member that will not start without someone acting.
+_GROUP_STUCK_WAITING = (CRASH_LOOP, *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_WAITING)
+
+
+def _member_problem(pod: dict[str, Any]) -> str | None:
+    """Why a group member failed (restarts, a stuck container, unschedulable, going away), or None while
+    it is merely starting or serving."""
+    status = pod.get("status") or {}
+    if pod["metadata"].get("deletionTimestamp"):
+        return "terminating (LeaderWorkerSet restarts the group as one)"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return f"unschedulable: {condition.get('message', '').strip().rstrip('.')}"
+    if status.get("phase") == "Failed":
+        return f"failed: {status.get('reason') or status.get('message') or 'the pod failed'}"
+    for container in status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in _GROUP_STUCK_WAITING:
+            return f"{waiting['reason']}: {waiting.get('message', '').strip()}".rstrip(": ")
+        terminated = (container.get("state") or {}).get("terminated") or (
+            (container.get("lastState") or {}).get("terminated") if container.get("restartCount") else None
+        )
+        if terminated:
+            restarts = int(container.get("restartCount") or 0)
+            return (
+                f"container {container.get('name')} exited with code {terminated.get('exitCode')}"
+                f" ({terminated.get('reason') or 'Error'})"
+                + (f", restarted {restarts} time(s)" if restarts else "")
+            )
+    return None
+
+
+def _group_sets(rendered: Rendered) -> dict[str, tuple[str, int]]:
+    """Component -> (LeaderWorkerSet name, pods per group) of the rendered multi-node pools."""
+    return {
+        child["metadata"]["labels"][vocabulary.COMPONENT_LABEL]: (
+            child["metadata"]["name"],
+            int(child["spec"]["leaderWorkerTemplate"]["size"]),
+        )
+        for child in rendered.children
+        if child["kind"] == vocabulary.LWS_KIND
+    }
+
+
+def group_statuses(pods: list[dict[str, Any]], set_name: str, size: int) -> list[GroupStatus]:
+    """Each group of a LeaderWorkerSet from its pods: ready members, and the first member that failed."""
+    groups: dict[int, dict[int, dict[str, Any]]] = {}
+    for pod in pods:
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get(LWS_NAME_LABEL) != set_name:
+            continue
+        try:
+            index, worker = int(labels[LWS_GROUP_INDEX_LABEL]), int(labels[LWS_WORKER_INDEX_LABEL])
+        except (KeyError, ValueError):
+            continue
+        groups.setdefault(index, {})[worker] = pod
+    out = []
+    for index in sorted(groups):
+        members = groups[index]
+        failed, reason = None, None
+        for worker in range(size):
+            pod = members.get(worker)
+            problem = _member_problem(pod) if pod is not None else None
+            if problem is not None:
+                failed, reason = pod["metadata"]["name"], problem  # type: ignore[index]
+                break
+        out.append(
+            GroupStatus(
+                index=index,
+                leader=f"{set_name}-{index}",
+                ready_members=sum(1 for pod in members.values() if pod_is_ready(pod)),
+                size=size,
+                failed_member=failed,
+                reason=reason,
+            )
+        )
+    return out
 
 
 def _problem_message(problems: list[PodProblem]) -> str:
@@ -170,8 +264,15 @@ def compute_status(
 
     pools: dict[str, PoolStatus] = {}
     for component, desired in rendered.replicas.items():
-        members = [p for p in observed.pods if pod_component(p) == component]
-        pool = _pool_status(desired, observed.statefulsets.get(component), members)
+        pool_pods = [p for p in observed.pods if pod_component(p) == component]
+        # A multi-node group's start is its leader's (Ready only once every rank is).
+        members = [p for p in pool_pods if pod_serves(p)]
+        pool = _pool_status(desired, observed.pool_set(component), members)
+        group_set = _group_sets(rendered).get(component)
+        if group_set is not None:
+            name, size = group_set
+            groups = group_statuses(pool_pods, name, size)
+            pool = pool.model_copy(update={"nodes_per_replica": size, "groups": groups})
         old = getattr(before.pools, component, None) if before.pools else None
         # The autoscaler owns its sub-object; carry it over untouched.
         pools[component] = pool.model_copy(update={"autoscaler": old.autoscaler if old else None})
@@ -183,7 +284,7 @@ def compute_status(
     summary = ", ".join(f"{c} {p.ready_replicas}/{p.desired_replicas}" for c, p in pools.items())
     summary += f", router {router_ready}/{router_desired} ready"
     all_ready = all(p.ready_replicas >= p.desired_replicas for p in pools.values()) and router_ready >= 1
-    rolling = [c for c, p in pools.items() if _is_rolling(observed.statefulsets.get(c), p.desired_replicas)]
+    rolling = [c for c, p in pools.items() if _is_rolling(observed.pool_set(c), p.desired_replicas)]
 
     budget = BudgetFacts(rendered.budget.seconds, rendered.budget.overridden, rendered.budget.source)
     hard = pod_problems(observed.pods, observed.lives, budget)

@@ -39,6 +39,7 @@ from sovereign_operator.vocabulary import (
     conditions_patch,
     find_condition,
     pod_component,
+    pod_serves,
     pod_url,
     rfc3339,
     same_condition,
@@ -134,7 +135,8 @@ class OutputHealthMonitor:
         for pod in pods:
             meta = pod["metadata"]
             component = pod_component(pod)
-            if component not in WORKER_COMPONENTS or not _running(pod):
+            # A multi-node group's self-test runs on its leader (over every rank); workers serve no API.
+            if component not in WORKER_COMPONENTS or not _running(pod) or not pod_serves(pod):
                 continue
             url = self.pod_url(pod)
             if url:

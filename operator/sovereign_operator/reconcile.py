@@ -26,9 +26,9 @@ from sovereign_operator.observe import Observed, Problem, compute_status, status
 from sovereign_operator.podstatus import LifeMemory
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
 from sovereign_operator.render.modelcache import CONTAINER, ModelFacts, cache_objects
-from sovereign_operator.render.plan import OperatorDefaults, sticky_plan, with_operator_defaults
+from sovereign_operator.render.plan import OperatorDefaults, sticky_plan, uses_groups, with_operator_defaults
 from sovereign_operator.startupbudget import in_force, learn, previous_budget, previous_profiles
-from sovereign_operator.vocabulary import now_rfc3339
+from sovereign_operator.vocabulary import LWS_CRD, now_rfc3339
 
 
 class KubeApi(Protocol):
@@ -43,6 +43,7 @@ class KubeApi(Protocol):
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]: ...
     async def advertised_resources(self) -> frozenset[str]: ...
+    async def leader_worker_set_installed(self) -> bool: ...
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     async def observe(self, namespace: str, instance: str) -> Observed: ...
     async def patch_status(
@@ -51,6 +52,8 @@ class KubeApi(Protocol):
 
 
 STATUS_CONFLICT_RETRIES = 3
+# While a multi-node pool waits for LeaderWorkerSet to be installed, look again this often.
+LWS_RETRY_SECONDS = 60.0
 
 
 class RetryLater(Exception):
@@ -231,6 +234,7 @@ class Reconciler:
         try:
             check_name(ref.name)
             spec = parse_spec(body.get("spec"))
+            check_name(ref.name, spec)
         except InvalidDeployment as error:
             problem = Problem("InvalidSpec", str(error))
             self.report_problem(body, problem)
@@ -254,6 +258,23 @@ class Reconciler:
             # The body can predate the autoscaler's latest decision; rendering from it would put an
             # old replica count back on the StatefulSets until the next tick.
             status = live.get("status") or status
+        if uses_groups(spec):
+            try:
+                installed = await self.kube.leader_worker_set_installed()
+            except Exception as error:
+                raise self._classify(error, "reading the LeaderWorkerSet CRD", retry) from error
+            if not installed:
+                # No StatefulSet fallback: a group must start, restart and scale as one (docs/api.md).
+                problem = Problem(
+                    "LeaderWorkerSetNotInstalled",
+                    f"a pool with nodesPerReplica above 1 is rendered as a LeaderWorkerSet ({LWS_CRD}),"
+                    " whose CRD this cluster does not have: install LeaderWorkerSet (docs/install.md) or"
+                    f" set nodesPerReplica to 1; checking again every {LWS_RETRY_SECONDS:.0f} s",
+                )
+                self.report_problem(body, problem)
+                metrics.RECONCILES.labels("invalid").inc()
+                self.outcomes[key] = Outcome(generation, None, problem, None)
+                raise RetryLater(problem.message, LWS_RETRY_SECONDS)
         decided = sticky_plan(status, generation)
         facts = ClusterFacts()
         if decided is None:

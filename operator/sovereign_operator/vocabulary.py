@@ -44,12 +44,38 @@ def config_name(deployment: str) -> str:
     return f"{deployment}-runtime"
 
 
+def group_set_name(deployment: str, component: str) -> str:
+    """A multi-node pool's LeaderWorkerSet (and LeaderWorkerSet's own headless Service for its pods):
+    `<deployment>-<component>-group`; the pool's Service `<deployment>-<component>` selects its leaders."""
+    return f"{deployment}-{component}-group"
+
+
 def owned_labels(instance: str | None = None) -> dict[str, str]:
     """The labels selecting the children the operator owns (of one LLMDeployment, when named)."""
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
     if instance is not None:
         labels[INSTANCE_LABEL] = instance
     return labels
+
+
+# ---- LeaderWorkerSet (multi-node pools) ---------------------------------------------------------
+
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_VERSION = "v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+LWS_CRD = f"{LWS_PLURAL}.{LWS_GROUP}"
+# Labels LeaderWorkerSet puts on every pod of a group.
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
+
+
+def pod_serves(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod serves a replica's API and metrics: every pool pod, except a multi-node group's
+    workers (only its leader, worker index 0, serves)."""
+    return (pod["metadata"].get("labels") or {}).get(LWS_WORKER_INDEX_LABEL, "0") == "0"
 
 
 # ---- conditions --------------------------------------------------------------------------------

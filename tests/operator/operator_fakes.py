@@ -39,6 +39,7 @@ class FakeKube:
         # Jobs as the apiserver would report them: name -> JobView (a missing name reads as absent).
         self.jobs: dict[str, JobView] = {}
         self.deleted_jobs: list[str] = []
+        self.lws_installed = True  # the LeaderWorkerSet CRD (multi-node pools)
 
     async def apply(self, child: dict[str, Any]) -> None:
         if self.fail_apply_with is not None:
@@ -87,7 +88,8 @@ class FakeKube:
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]:
-        gone = [key for key in self.children if key[0] in ("StatefulSet", "Service", "PodDisruptionBudget")]
+        kinds = ("StatefulSet", "LeaderWorkerSet", "Service", "PodDisruptionBudget")
+        gone = [key for key in self.children if key[0] in kinds]
         gone = [key for key in gone if key not in keep]
         for key in gone:
             del self.children[key]
@@ -100,16 +102,20 @@ class FakeKube:
     async def advertised_resources(self) -> frozenset[str]:
         return self.advertised
 
+    async def leader_worker_set_installed(self) -> bool:
+        return self.lws_installed
+
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.body)
 
     async def observe(self, namespace: str, instance: str) -> Observed:
-        statefulsets = {}
+        statefulsets, groups = {}, {}
         for (kind, _), child in self.children.items():
-            if kind == "StatefulSet":
+            if kind in ("StatefulSet", "LeaderWorkerSet"):
                 replicas = child["spec"]["replicas"]
                 component = child["metadata"]["labels"]["app.kubernetes.io/component"]
-                statefulsets[component] = {
+                into = statefulsets if kind == "StatefulSet" else groups
+                into[component] = {
                     "metadata": {"generation": 1},
                     "status": {
                         "observedGeneration": 1,
@@ -119,7 +125,7 @@ class FakeKube:
                     },
                 }
         router = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
-        return Observed(statefulsets=statefulsets, router=router)
+        return Observed(statefulsets=statefulsets, router=router, leader_worker_sets=groups)
 
     async def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None

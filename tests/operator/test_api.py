@@ -246,6 +246,27 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         with_changes(DEEPSEEK_SPEC, model__source={"pvc": {"claimName": "w", "path": "/models/..v3/a..b"}}),
         None,
     ),
+    ("two nodes per replica", with_changes(DEEPSEEK_SPEC, decode__nodesPerReplica=2), None),
+    (
+        "tensor parallelism over nodes",
+        with_changes(DEEPSEEK_SPEC, prefill__nodesPerReplica=2, prefill__nodeParallelism="tensor"),
+        None,
+    ),
+    (
+        "node parallelism on one node",
+        with_changes(DEEPSEEK_SPEC, decode__nodeParallelism="pipeline"),
+        "set nodesPerReplica above 1",
+    ),
+    (
+        "group flags twice",
+        with_changes(DEEPSEEK_SPEC, decode__nodesPerReplica=2, runtime__args=["--nnodes=2"]),
+        "nodesPerReplica renders --nnodes",
+    ),
+    (
+        "group flags on one node",
+        with_changes(DEEPSEEK_SPEC, runtime__args=["--pipeline-parallel-size", "2"]),
+        None,
+    ),
 ]
 
 
@@ -314,10 +335,27 @@ def test_name_rule_in_cel_and_python(name: str, valid: bool) -> None:
     from sovereign_operator.api.crd import NAME_RULES
 
     env = celpy.Environment()
-    for rule in _schema()["x-kubernetes-validations"]:
+    obj = {"metadata": {"name": name}, "spec": copy.deepcopy(TINY_SPEC)}
+    for rule in _schema()["x-kubernetes-validations"][: len(NAME_RULES)]:
         program = env.program(env.compile(rule["rule"]))
-        assert bool(program.evaluate({"self": celpy.json_to_cel({"metadata": {"name": name}})})) == valid
+        assert bool(program.evaluate({"self": celpy.json_to_cel(obj)})) == valid
     assert all(rule.holds(name) for rule in NAME_RULES) == valid
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes", "valid"), [("a" * 32, 2, True), ("a" * 33, 2, False), ("a" * 40, 1, True)]
+)
+def test_a_multi_node_pool_needs_a_shorter_name_in_cel_and_python(name: str, nodes: int, valid: bool) -> None:
+    from sovereign_operator.api.crd import GROUP_NAME_RULE
+
+    spec = with_changes(DEEPSEEK_SPEC, decode__nodesPerReplica=nodes)
+    schema = _schema()
+    obj = _apply_defaults(schema, {"metadata": {"name": name}, "spec": spec})
+    violations = _cel_violations(
+        {"x-kubernetes-validations": schema["x-kubernetes-validations"]}, obj, celpy.Environment()
+    )
+    assert (violations == []) == valid, violations
+    assert GROUP_NAME_RULE.holds((name, LLMDeploymentSpec.model_validate(spec))) == valid
 
 
 @pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)

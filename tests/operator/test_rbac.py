@@ -26,6 +26,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies",
     "Job": "jobs",
     "PersistentVolumeClaim": "persistentvolumeclaims",
+    "LeaderWorkerSet": "leaderworkersets",
 }
 HF_SPEC = {
     "model": {
@@ -34,6 +35,7 @@ HF_SPEC = {
     },
     "mode": "unified",
 }
+MULTI_NODE_SPEC = {**DEEPSEEK_SPEC, "decode": {**DEEPSEEK_SPEC["decode"], "nodesPerReplica": 2}}
 
 
 def _rules() -> list[dict[str, Any]]:
@@ -60,7 +62,14 @@ def test_no_wildcards_and_well_formed() -> None:
 def test_every_rendered_kind_can_be_applied_watched_and_pruned() -> None:
     kinds: dict[str, str] = {}
     resolved = ModelFacts(resolved=Resolved("a" * 40, 1, 1))
-    for spec, model in ((TINY_SPEC, None), (DEEPSEEK_SPEC, None), (HF_SPEC, None), (HF_SPEC, resolved)):
+    cases = (
+        (TINY_SPEC, None),
+        (DEEPSEEK_SPEC, None),
+        (HF_SPEC, None),
+        (HF_SPEC, resolved),
+        (MULTI_NODE_SPEC, None),
+    )
+    for spec, model in cases:
         rendered = render(
             DeploymentRef("a", "b", "c"), LLMDeploymentSpec.model_validate(spec), ClusterFacts(), model=model
         )
@@ -68,7 +77,7 @@ def test_every_rendered_kind_can_be_applied_watched_and_pruned() -> None:
         for child in rendered.children + rendered.shared:
             group = child["apiVersion"].rpartition("/")[0]
             kinds[child["kind"]] = group
-    assert {"Job", "PersistentVolumeClaim"} <= set(kinds)
+    assert {"Job", "PersistentVolumeClaim", "LeaderWorkerSet"} <= set(kinds)
     for kind, group in kinds.items():
         assert {"get", "list", "watch", "create", "patch", "delete"} <= _allowed(group, PLURALS[kind]), kind
 
@@ -91,6 +100,8 @@ def test_operator_can_run_its_own_loop() -> None:
     assert {"list", "watch", "delete"} <= _allowed("", "pods") and "list" in _allowed("", "nodes")
     assert _allowed("", "pods/log") == {"get"}  # a download's progress line, read-only
     assert "create" in _allowed("", "events")
+    # Whether LeaderWorkerSet is installed (multi-node pools) is read off its CRD.
+    assert "get" in _allowed("apiextensions.k8s.io", "customresourcedefinitions")
     assert "update" not in _allowed("sovereign.ai", "llmdeployments"), "the operator never writes spec"
 
 

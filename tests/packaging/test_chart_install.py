@@ -253,7 +253,9 @@ def test_chart_rbac_grants_the_lease_only_in_the_release_namespace(cluster: Clus
     assert proc.stdout.strip() == "no", f"{release['sa']} may update leases outside its namespace"
 
 
-@pytest.mark.parametrize("example,rdma", [("tiny.yaml", "no"), ("deepseek-v3-pd.yaml", "yes")])
+@pytest.mark.parametrize(
+    "example,rdma", [("tiny.yaml", "no"), ("deepseek-v3-pd.yaml", "yes"), ("deepseek-v3-h100.yaml", "yes")]
+)
 def test_chart_rbac_suffices_to_apply_every_child(
     cluster: Cluster, release: dict[str, str], example: str, rdma: str
 ):
@@ -279,7 +281,7 @@ def test_chart_rbac_suffices_to_apply_every_child(
     assert {c["kind"] for c in children} >= {"StatefulSet", "Service"}
     for child in children:
         child["metadata"].pop("ownerReferences", None)  # the owner is not created here
-        if child["kind"] in ("StatefulSet", "Deployment"):
+        if child["kind"] in ("StatefulSet", "Deployment", "LeaderWorkerSet"):
             child["spec"]["replicas"] = 0  # objects only: leave the fake GPU nodes to other tests
     # Applied for real, in order: a RoleBinding is authorised against its Role, which a dry run
     # would not have created. The release namespace is deleted afterwards.

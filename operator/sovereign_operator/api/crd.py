@@ -39,6 +39,23 @@ NAME_RULES = (
     ),
 )
 
+# A multi-node pool's LeaderWorkerSet is `<name>-<component>-group`; its per-group worker StatefulSets add
+# `-<group index>` and their controller-revision-hash label another 11 characters (63 in all).
+MAX_GROUP_NAME_LENGTH = 32
+_SINGLE_NODE = " && ".join(
+    f"(!has(self.spec.{pool}) || !has(self.spec.{pool}.nodesPerReplica) || self.spec.{pool}.nodesPerReplica == 1)"
+    for pool in ("prefill", "decode")
+)
+GROUP_NAME_RULE = CrossFieldRule(
+    cel=f"size(self.metadata.name) <= {MAX_GROUP_NAME_LENGTH} || ({_SINGLE_NODE})",
+    message=f"metadata.name must be at most {MAX_GROUP_NAME_LENGTH} characters when a pool has nodesPerReplica"
+    " above 1 (it prefixes the LeaderWorkerSet, its StatefulSets and their pods)",
+    holds=lambda named: (
+        len(named[0]) <= MAX_GROUP_NAME_LENGTH
+        or not any(pool is not None and pool.multi_node for pool in (named[1].prefill, named[1].decode))
+    ),
+)
+
 
 def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """Convert one pydantic JSON Schema node into a structural OpenAPI v3 node."""
@@ -111,7 +128,7 @@ def openapi_schema() -> dict[str, Any]:
         "type": "object",
         "description": "LLMDeployment serves one LLM with prefill/decode pools behind a router.",
         "required": ["spec"],
-        "x-kubernetes-validations": [rule.as_validation() for rule in NAME_RULES],
+        "x-kubernetes-validations": [rule.as_validation() for rule in (*NAME_RULES, GROUP_NAME_RULE)],
         "properties": {
             "apiVersion": {"type": "string", "description": f"The API version, {API_VERSION}."},
             "kind": {"type": "string", "description": f"The kind, {KIND}."},

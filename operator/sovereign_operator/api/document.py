@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sovereign_operator.api.crd import API_VERSION, KIND, NAME_RULES
+from sovereign_operator.api.crd import API_VERSION, GROUP_NAME_RULE, KIND, NAME_RULES
 from sovereign_operator.api.spec import LLMDeploymentSpec
 
 
@@ -72,10 +72,13 @@ def parse_spec(spec: Any) -> LLMDeploymentSpec:
         raise describe_validation_error(error) from None
 
 
-def check_name(name: str) -> None:
+def check_name(name: str, spec: LLMDeploymentSpec | None = None) -> None:
+    """The name's own rules, and with the spec the rules that depend on it (multi-node pools)."""
     for rule in NAME_RULES:
         if not rule.holds(name):
             raise InvalidDeployment("metadata.name", rule.message.removeprefix("metadata.name "))
+    if spec is not None and not GROUP_NAME_RULE.holds((name, spec)):
+        raise InvalidDeployment("metadata.name", GROUP_NAME_RULE.message.removeprefix("metadata.name "))
 
 
 # Namespaces are DNS-1123 labels; the value lands in every child's metadata and in URLs.

@@ -394,6 +394,21 @@ class SpeculativeSpec(ApiModel):
     )
 
 
+# Runtime flags the operator renders for a multi-node pool (a user's own would contradict them).
+GROUP_FLAGS = (
+    "--nnodes",
+    "--node-rank",
+    "--leader-address",
+    "--pipeline-parallel-size",
+    "--rendezvous-timeout",
+)
+MAX_NODES_PER_REPLICA = 64
+
+
+def _sets_group_flag(args: list[str]) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args for flag in GROUP_FLAGS)
+
+
 class PoolSpec(ApiModel):
     """A pool of runtime workers: either fixed `replicas` or `autoscaling` bounds, not both."""
 
@@ -416,6 +431,21 @@ class PoolSpec(ApiModel):
     speculative: SpeculativeSpec | None = Field(
         None, description="MTP speculative decoding; decode (or unified) pool only."
     )
+    nodes_per_replica: int = Field(
+        1,
+        ge=1,
+        le=MAX_NODES_PER_REPLICA,
+        description="Nodes (pods) one replica spans, each with runtime.tensorParallelSize GPUs. Above 1 a"
+        " replica is a gang: a LeaderWorkerSet group whose leader serves and whose workers join it, started,"
+        " scaled and restarted as one (needs LeaderWorkerSet installed). Replicas count groups.",
+    )
+    node_parallelism: Literal["pipeline", "tensor"] | None = Field(
+        None,
+        description="How a multi-node replica splits the model over its nodes: pipeline (the default: each"
+        " node holds a stage of the layers, only activations cross the network) or tensor (every layer over"
+        " all GPUs of all nodes: an all-reduce per layer crosses the network, for fast interconnects)."
+        " Only with nodesPerReplica above 1.",
+    )
 
     RULES = (
         CrossFieldRule(
@@ -423,7 +453,16 @@ class PoolSpec(ApiModel):
             message="set either replicas or autoscaling, not both: the autoscaler owns the replica count",
             holds=lambda p: p.replicas is None or p.autoscaling is None,
         ),
+        CrossFieldRule(
+            cel="!has(self.nodeParallelism) || (has(self.nodesPerReplica) && self.nodesPerReplica > 1)",
+            message="nodeParallelism splits a replica over its nodes: set nodesPerReplica above 1, or remove it",
+            holds=lambda p: p.node_parallelism is None or p.nodes_per_replica > 1,
+        ),
     )
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes_per_replica > 1
 
 
 class RouterSpec(ApiModel):
@@ -689,6 +728,19 @@ class LLMDeploymentSpec(ApiModel):
                 s.decode is None
                 or s.decode.speculative is None
                 or not any(a.startswith("--speculative-") for a in s.runtime.args)
+            ),
+        ),
+        CrossFieldRule(
+            cel="((!has(self.prefill) || !has(self.prefill.nodesPerReplica) || self.prefill.nodesPerReplica == 1)"
+            " && (!has(self.decode) || !has(self.decode.nodesPerReplica) || self.decode.nodesPerReplica == 1))"
+            " || !has(self.runtime) || !has(self.runtime.args)"
+            " || !self.runtime.args.exists(a, "
+            + " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in GROUP_FLAGS)
+            + ")",
+            message="nodesPerReplica renders " + ", ".join(GROUP_FLAGS) + ": remove them from runtime.args",
+            holds=lambda s: (
+                not any(p is not None and p.multi_node for p in (s.prefill, s.decode))
+                or not _sets_group_flag(s.runtime.args)
             ),
         ),
         CrossFieldRule(

@@ -79,13 +79,35 @@ class SpeculationStatus(ApiModel):
     reason: str | None = Field(None, description="Why pods serve without it (e.g. no MTP tensors).")
 
 
+class GroupStatus(ApiModel):
+    """One replica of a multi-node pool: its pods (the leader and its workers) as observed."""
+
+    index: int = Field(description="The group's index (LeaderWorkerSet group-index).")
+    leader: str = Field(description="The leader pod, which serves the replica's API.")
+    ready_members: int = Field(description="Pods of the group that are Ready.")
+    size: int = Field(description="Pods the group must have (nodesPerReplica).")
+    failed_member: str | None = Field(
+        None,
+        description="The first member that is not Ready or has restarted (the group restarts as one), if any.",
+    )
+    reason: str | None = Field(None, description="What is wrong with failedMember, for a person.")
+
+
 class PoolStatus(ApiModel):
-    """One pool's StatefulSet as observed."""
+    """One pool's StatefulSet (or, for a multi-node pool, LeaderWorkerSet) as observed."""
 
     desired_replicas: int = Field(0, description="The replicas the pool should have (spec or autoscaler).")
-    replicas: int = Field(0, description="Pods the StatefulSet has.")
-    ready_replicas: int = Field(0, description="Pods that are Ready.")
-    updated_replicas: int = Field(0, description="Pods at the StatefulSet's current revision.")
+    replicas: int = Field(0, description="Replicas the pool has (pods; groups for a multi-node pool).")
+    ready_replicas: int = Field(
+        0, description="Replicas that are Ready (a group: its leader, so every rank)."
+    )
+    updated_replicas: int = Field(0, description="Replicas at the pool's current revision.")
+    nodes_per_replica: int | None = Field(None, description="Pods per replica, when above 1.")
+    groups: list[GroupStatus] | None = Field(
+        None,
+        max_length=1024,
+        description="Multi-node pools: each group's members, and which one failed.",
+    )
     observed_startup_seconds: int | None = Field(
         None,
         description="The longest start among the pool's Ready pods: container start to Ready, in"
@@ -123,6 +145,11 @@ class StartupBudget(ApiModel):
     base_seconds: int = Field(description="Fixed part: process start, CUDA/NCCL initialisation.")
     weight_load_seconds: int = Field(description="Weight bytes over startup.readBandwidthMiBps.")
     jit_seconds: int = Field(description="Kernel compilation allowance (cold, or warm with a jitCache pvc).")
+    group_seconds: int = Field(
+        0,
+        description="Multi-node pools: the workers' pods start after the leader's and the leader waits for"
+        " the slowest rank to join and load (0 with one node per replica).",
+    )
     overridden: bool = Field(False, description="True when startup.budgetSeconds set the budget.")
     source: BudgetSource = Field(
         "formula",

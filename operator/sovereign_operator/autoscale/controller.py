@@ -30,6 +30,7 @@ from sovereign_operator.vocabulary import (
     pod_component,
     pod_condition,
     pod_is_ready,
+    pod_serves,
     pod_url,
     pool_name,
     with_condition,
@@ -49,8 +50,9 @@ HEARTBEAT_S = 300.0
 
 
 class ObservedLike(Protocol):
-    statefulsets: dict[str, dict[str, Any]]
     pods: list[dict[str, Any]]
+
+    def pool_set(self, component: str) -> dict[str, Any] | None: ...
 
 
 class KubeLike(Protocol):
@@ -178,7 +180,9 @@ def stale_status_patch(status: Mapping[str, Any], autoscaled: set[str]) -> dict[
 
 
 def _pods_of(pods: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
-    return [p for p in pods if pod_component(p) == component]
+    """The pool's serving pods: a multi-node group counts once, by its leader (ready only when every
+    rank is), which also serves the group's metrics."""
+    return [p for p in pods if pod_component(p) == component and pod_serves(p)]
 
 
 def default_pod_url(pod: Mapping[str, Any]) -> str | None:
@@ -317,7 +321,7 @@ class AutoscaleController:
             failing = (
                 self.output_failing(namespace, name).get(component, set()) if self.output_failing else set()
             )
-            replicas = pool_replicas(observed.statefulsets.get(component), pods, now, failing)
+            replicas = pool_replicas(observed.pool_set(component), pods, now, failing)
             previous = (old_pools.get(component) or {}).get("autoscaler")
             if component not in memory.states:
                 memory.states[component] = restore_state(previous, replicas, now)

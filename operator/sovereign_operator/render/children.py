@@ -15,6 +15,7 @@ from typing import Any
 from sovereign_operator.api.crd import API_VERSION, KIND
 from sovereign_operator.api.spec import LLMDeploymentSpec, PoolSpec, ResourceRequirements
 from sovereign_operator.api.status import StartupBudget
+from sovereign_operator.render.gang import leader_selector, leader_worker_set
 from sovereign_operator.render.modelcache import (
     CHECKPOINT_SUBDIR,
     CacheObjects,
@@ -29,6 +30,7 @@ from sovereign_operator.render.plan import (
     ModePlan,
     OperatorDefaults,
     SpecKey,
+    group_budget,
     plan_replicas,
     pod_annotations,
     pool_spec_for,
@@ -48,6 +50,7 @@ from sovereign_operator.vocabulary import (
     NAME_LABEL,
     RUNTIME_PORT,
     config_name,
+    group_set_name,
     pool_name,
     router_name,
 )
@@ -447,14 +450,16 @@ def _config_map(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> 
     }
 
 
-def _headless_service(ref: DeploymentRef, component: str) -> dict[str, Any]:
+def _headless_service(ref: DeploymentRef, component: str, leaders_only: bool = False) -> dict[str, Any]:
+    selector = selector_labels(ref.name, component)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(ref, pool_name(ref.name, component), component),
         "spec": {
             "clusterIP": "None",
-            "selector": selector_labels(ref.name, component),
+            # A multi-node pool's traffic goes to its groups' leaders only (render/gang.py).
+            "selector": leader_selector(selector) if leaders_only else selector,
             "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -670,6 +675,9 @@ def network_policies(
         rules = [{"from": http_from, "ports": _tcp(RUNTIME_PORT)}]
         if component == "decode":
             rules.append({"from": _pods_of(ref, "prefill", "decode"), "ports": _tcp(KV_PORT)})
+        if pool_spec_for(spec, component).multi_node:
+            # A group's ranks meet at the leader's rendezvous port and then talk on ports gloo/NCCL pick.
+            rules.append({"from": _pods_of(ref, component)})
         children.append(_network_policy(ref, component, pool_name(ref.name, component), rules))
     router_from = policy.router_from if policy.router_from is not None else [{"podSelector": {}}]
     router_rules = [
@@ -715,17 +723,26 @@ def render(
     measured = (
         serving.bytes_total if serving else (model.resolved.bytes_total if model and model.resolved else None)
     )
-    formula = startup_budget(spec, measured)
-    budget = budget or formula
     replicas = plan_replicas(spec, plan.mode, replica_overrides or {})
+    # A multi-node pool's group start is part of the formula (plan.group_budget).
+    widest = max((pool_spec_for(spec, c).nodes_per_replica for c in replicas), default=1)
+    formula = group_budget(startup_budget(spec, measured), widest)
+    budget = budget or formula
     config = _config_map(ref, spec, plan)
     # Pods roll when the settings they read from the ConfigMap change.
     settings_hash = hashlib.sha256(json.dumps(config["data"], sort_keys=True).encode()).hexdigest()[:16]
 
     children: list[dict[str, Any]] = [config, *_router_rbac(ref)]
     for component, count in replicas.items():
-        children.append(_headless_service(ref, component))
-        if model is None or serving is not None:
+        pool = pool_spec_for(spec, component)
+        children.append(_headless_service(ref, component, leaders_only=pool.multi_node))
+        downloaded = model is None or serving is not None  # a huggingFace source's pools wait for it
+        if downloaded and pool.multi_node:
+            template = _worker_pod_template(ref, spec, component, plan, budget, settings_hash, serving)
+            metadata = _metadata(ref, group_set_name(ref.name, component), component)
+            selector = selector_labels(ref.name, component)
+            children.append(leader_worker_set(metadata, spec, pool, count, budget, template, selector))
+        elif downloaded:
             children.append(_stateful_set(ref, spec, component, count, plan, budget, settings_hash, serving))
         children.append(_pdb(ref, component, pool_name(ref.name, component)))
     children += [

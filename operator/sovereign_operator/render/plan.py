@@ -224,6 +224,38 @@ def startup_budget(spec: LLMDeploymentSpec, measured_bytes: int | None = None) -
     )
 
 
+# Multi-node pools: LeaderWorkerSet creates the workers' pods once the leader's exists, they are scheduled
+# and pull images on their own nodes, and the leader waits for the slowest rank (docs/startup.md).
+GROUP_START_SECONDS = 120
+
+
+def group_budget(budget: StartupBudget, nodes_per_replica: int) -> StartupBudget:
+    """The formula's budget when a pool's replicas span ``nodes_per_replica`` pods: the group term is part
+    of the formula (and of its cold value, the most a learned budget may be), since a group's observed
+    starts include the leader's wait for its slowest rank. One budget serves every pool of a deployment."""
+    if nodes_per_replica <= 1 or budget.overridden:
+        return budget
+    seconds = budget.seconds + GROUP_START_SECONDS
+    parts = (
+        f"base {budget.base_seconds} s + weight load {budget.weight_load_seconds} s + JIT {budget.jit_seconds} s"
+        f" + group start {GROUP_START_SECONDS} s"
+    )
+    return budget.model_copy(
+        update={
+            "seconds": seconds,
+            "group_seconds": GROUP_START_SECONDS,
+            "formula_seconds": seconds,
+            "cold_seconds": (budget.cold_seconds or budget.seconds) + GROUP_START_SECONDS,
+            "reason": f"the formula: {parts} = {seconds} s",
+        }
+    )
+
+
+def uses_groups(spec: LLMDeploymentSpec) -> bool:
+    """Whether a pool of the spec is multi-node (rendered as a LeaderWorkerSet)."""
+    return any(pool is not None and pool.multi_node for pool in (spec.prefill, spec.decode))
+
+
 def startup_failure_threshold(budget: StartupBudget) -> int:
     return budget.seconds // PROBE_PERIOD_SECONDS
 
