@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The local control plane: real etcd, kube-apiserver, kube-controller-manager and kube-scheduler
-# (built by build.sh) run by `kwokctl --runtime binary`, with kwok faking the nodes and pod lifecycle.
+# (built by build.sh) run by `kwokctl --runtime binary`, with kwok faking the nodes and pod lifecycle,
+# and LeaderWorkerSet's controller next to them (lws.sh).
 #
 #   cluster.sh up         create (or reuse, or restart) the cluster; kubeconfig -> .cluster/kubeconfig
 #   cluster.sh down       delete it
@@ -80,7 +81,14 @@ wait_ready() {
 
 apply_nodes() {
   # Nodes keep the status (capacity) they are created with; `apply` on an existing node is a no-op.
-  kubectl apply -f "$here/kwok/nodes.yaml" >/dev/null
+  kubectl apply -f "$here/kwok/nodes.yaml" -f "$here/kwok/h100-nodes.yaml" >/dev/null
+  # A node kwok has not initialised yet has no conditions, which `kubectl wait` reports as an error
+  # instead of waiting: try again for a while.
+  local _
+  for _ in 1 2 3 4 5; do
+    kubectl wait --for=condition=Ready node --all --timeout=60s >/dev/null 2>&1 && return 0
+    sleep 2
+  done
   kubectl wait --for=condition=Ready node --all --timeout=60s >/dev/null
 }
 
@@ -133,10 +141,12 @@ up() {
   fi
   wait_ready
   apply_nodes
+  "$here/lws.sh" up "$kubeconfig" "$state/$name"
   echo "cluster.sh: cluster '$name' ready in $(($(date +%s) - start)) s; export KUBECONFIG=$kubeconfig"
 }
 
 down() {
+  "$here/lws.sh" down "$state/$name"
   if exists; then
     kwokctl delete cluster >/dev/null 2>&1
   fi

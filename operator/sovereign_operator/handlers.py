@@ -1,8 +1,8 @@
 """kopf handlers: thin adapters from kopf's events to the Reconciler, and the operator's assembly.
 
 - create/update(spec)/resume of an LLMDeployment -> render + apply + status;
-- events of the children (StatefulSets, the router Deployment, pods) -> status, and re-apply when
-  a child was deleted; pod events also feed the startup monitor (phases of starting pods);
+- events of the children (StatefulSets, LeaderWorkerSets, the router Deployment, pods) -> status, and
+  re-apply when a child was deleted; pod events also feed the startup monitor (phases of starting pods);
 - `mode: auto` is resolved from the nodes when the spec changes and then kept (status records
   it): switching modes replaces every pool, so node churn must not trigger it;
 - no delete handler, no timer and so no finalizer: owner references clean up;
@@ -36,7 +36,7 @@ from sovereign_operator.outputmonitor import OutputHealthMonitor
 from sovereign_operator.reconcile import Reconciler, RetryLater
 from sovereign_operator.render.plan import OperatorDefaults
 from sovereign_operator.startupmonitor import StartupMonitor
-from sovereign_operator.vocabulary import INSTANCE_LABEL, owned_labels
+from sovereign_operator.vocabulary import INSTANCE_LABEL, LWS_GROUP, LWS_PLURAL, LWS_VERSION, owned_labels
 
 OWNED = owned_labels()
 ANNOTATION_PREFIX = "operator.sovereign.ai"
@@ -205,6 +205,14 @@ async def _child_changed(event: Mapping[str, Any], body: kopf.Body, logger: logg
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=OWNED)
 async def statefulset_event(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    await _child_changed(event, body, logger)
+
+
+# Multi-node pools. kopf starts this watch when the LeaderWorkerSet CRD appears (and only then).
+@kopf.on.event(LWS_GROUP, LWS_VERSION, LWS_PLURAL, labels=OWNED)
+async def leader_worker_set_event(
+    event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any
+) -> None:
     await _child_changed(event, body, logger)
 
 

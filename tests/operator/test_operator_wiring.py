@@ -47,7 +47,12 @@ def test_handlers_cover_the_lifecycle_without_a_delete_handler() -> None:
     # No delete handler: kopf adds no finalizer, owner references clean up.
     assert not [h for h in changing if str(getattr(h.reason, "value", h.reason)) == "delete"]
     watched = {h.fn for h in watching}
-    assert {handlers.statefulset_event, handlers.deployment_event, handlers.pod_event} <= watched
+    assert {
+        handlers.statefulset_event,
+        handlers.leader_worker_set_event,
+        handlers.deployment_event,
+        handlers.pod_event,
+    } <= watched
 
 
 def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> None:
