@@ -278,7 +278,10 @@ def test_chart_rbac_suffices_to_apply_every_child(
     )
     assert rendered.returncode == 0, rendered.stderr
     children = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    assert {c["kind"] for c in children} >= {"StatefulSet", "Service"}
+    assert {c["kind"] for c in children} >= {"Service"} and {c["kind"] for c in children} & {
+        "StatefulSet",
+        "LeaderWorkerSet",
+    }
     for child in children:
         child["metadata"].pop("ownerReferences", None)  # the owner is not created here
         if child["kind"] in ("StatefulSet", "Deployment", "LeaderWorkerSet"):
