@@ -234,6 +234,7 @@ def rendezvous(
     )
     keys = [f"joined/{r}" for r in range(layout.world_size)]
     deadline = time.monotonic() + timeout_s
+    told: list[int] | None = None
     while not store.check(keys):
         _raise_if_failed(store)
         missing = [r for r in range(layout.world_size) if not store.check([f"joined/{r}"])]
@@ -244,8 +245,9 @@ def rendezvous(
                 f" the rendezvous within {timeout_s:g} s (--rendezvous-timeout): is every pod of the"
                 " group running and able to reach the leader?"
             )
-        if progress is not None:
+        if progress is not None and missing != told:  # say it when it changes, not every poll
             progress(f"waiting for rank(s) {_ranks(missing)} of {layout.world_size} to join")
+            told = missing
         time.sleep(0.2)
 
 
@@ -346,6 +348,7 @@ class Member:
     def wait_ready(self, progress: Callable[[str], None]) -> None:
         """Until every rank has loaded its shard (reported ``ready``), telling ``progress`` who is late."""
         ranks = range(1, self.layout.world_size)
+        told = ""
         while True:
             if self._failed is not None:
                 raise GroupError(self._failed)
@@ -354,7 +357,9 @@ class Member:
             if not late:
                 return
             detail = "; ".join(f"rank {r}: {phases.get(r, {}).get('phase', JOINING)}" for r in late[:8])
-            progress(f"waiting for {len(late)} rank(s) to load their shards ({detail})")
+            if detail != told:  # say it when it changes, not every poll
+                progress(f"waiting for {len(late)} rank(s) to load their shards ({detail})")
+                told = detail
             time.sleep(0.5)
 
     def stale_ranks(self) -> list[int]:
