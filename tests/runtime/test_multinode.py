@@ -171,9 +171,11 @@ def test_a_group_over_two_hosts_answers_as_one_process_unified_and_disaggregated
     tp: int, pp: int, speculative: bool, reference: Node
 ) -> None:
     spec = ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "2"] if speculative else []
-    prefill = make_group(tp, pp, 2, "--role", "prefill")
+    # The decode group runs the output self-test before ready (its batch-invariance check on a group);
+    # the prefill group skips it, to keep the test short.
+    prefill = make_group(tp, pp, 2, "--role", "prefill", "--no-self-test")
     decode = make_group(tp, pp, 2, "--role", "decode", *spec, kv_port=True)
-    questions = make_questions(3, seed=21)
+    questions = make_questions(2, seed=21)
     with running(prefill), running(decode):
         for group in (prefill, decode):
             wait_ready(group.leader)
