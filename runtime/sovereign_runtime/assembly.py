@@ -324,8 +324,7 @@ def serve_rank(
         member.report(READY)
         run_worker(model, place)
     except Exception as exc:
-        reason = str(exc) if isinstance(exc, GroupError) else f"rank {rank}: {collective_error(exc)}"
-        member.fail(reason)
+        member.fail(str(exc) if isinstance(exc, GroupError) else member.diagnose(collective_error(exc)))
         threading.Event().wait()  # Member.fail ends the process
     member.acknowledge_stop()
     member.wait_children(timeout_s=10.0)

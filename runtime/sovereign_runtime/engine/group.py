@@ -362,6 +362,16 @@ class Member:
                 told = detail
             time.sleep(0.5)
 
+    def diagnose(self, detail: str) -> str:
+        """Why this rank's part broke (``detail``: what raised), as precisely as the store tells: another
+        rank's reported failure, the leader gone (its store does not answer), or the error itself."""
+        try:
+            if self.store.check(["failed"]):
+                return self.store.get("failed").decode()
+        except Exception:
+            return f"rank {self.rank}: the leader (rank 0) is gone: its store at {self.address} does not answer ({detail})"
+        return f"rank {self.rank}: {detail}"
+
     def stale_ranks(self) -> list[int]:
         """Ranks whose heartbeat is late by more than two beats (not yet declared dead): the leader is
         not ready while any is."""
