@@ -31,7 +31,23 @@ def test_examples_render(example: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["render", "-f", str(example), "--rdma-nodes", "yes"]) == 0
     children = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = {c["kind"] for c in children}
-    assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    # Pools are StatefulSets, or LeaderWorkerSets when a replica spans several nodes.
+    assert kinds & {"StatefulSet", "LeaderWorkerSet"}
+
+
+def test_the_h100_example_spans_two_nodes_per_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(REPO / "examples" / "deepseek-v3-h100.yaml")]) == 0
+    children = list(yaml.safe_load_all(capsys.readouterr().out))
+    groups = {c["metadata"]["name"]: c for c in children if c["kind"] == "LeaderWorkerSet"}
+    assert set(groups) == {"deepseek-v3-h100-prefill-group", "deepseek-v3-h100-decode-group"}
+    assert not any(c["kind"] == "StatefulSet" for c in children)
+    leader = groups["deepseek-v3-h100-decode-group"]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    container = leader["spec"]["containers"][0]
+    args = container["args"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert args[args.index("--pipeline-parallel-size") + 1] == "2" and args[args.index("--nnodes") + 1] == "2"
+    assert leader["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 
 
 def test_flagship_example_is_disaggregated_on_h200_with_rdma(capsys: pytest.CaptureFixture[str]) -> None:
