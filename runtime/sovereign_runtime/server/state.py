@@ -20,7 +20,7 @@ log = logging.getLogger("sovereign_runtime.server")
 ProgressFn = Callable[[str, float, str], None]
 # Phases whose durations /health/startup and the metrics report, in order: "process" runs from the
 # process's own start (interpreter, imports, binding the port) until loading begins.
-TIMED_PHASES = ("process", "loading_weights", "compiling", "warming_up", "self_test")
+TIMED_PHASES = ("process", "joining_group", "loading_weights", "compiling", "warming_up", "self_test")
 
 
 def process_start_time() -> float:
