@@ -40,6 +40,7 @@ CHILDREN = (
     "roles.rbac.authorization.k8s.io",
     "rolebindings.rbac.authorization.k8s.io",
     "networkpolicies.networking.k8s.io",
+    "leaderworkersets.leaderworkerset.x-k8s.io",  # multi-node pools
 )
 MUST: list[Row] = [
     *((verb, "llmdeployments.sovereign.ai", "watched") for verb in ("get", "list", "watch", "patch")),
