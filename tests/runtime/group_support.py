@@ -160,14 +160,18 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-def wait_ready(node: Node, timeout_s: float = 120) -> None:
+def wait_ready(node: Node, timeout_s: float = 300) -> None:
+    """Until the node answers ready (a group of several processes starts slowly on a loaded machine)."""
     deadline = time.monotonic() + timeout_s
     while True:
         assert node.proc is not None
         if node.proc.poll() is not None:
             node.wait(5)
             raise AssertionError(f"{node.url} exited with {node.proc.returncode}:\n{node.output[-4000:]}")
-        assert time.monotonic() < deadline, f"{node.url} never became ready"
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(OSError, ValueError):
+                raise AssertionError(f"{node.url} never became ready: {get(node.url + '/health/startup')[1]}")
+            raise AssertionError(f"{node.url} never became ready")
         with contextlib.suppress(OSError, ValueError):
             if get(node.url + "/health/ready")[0] == 200:
                 return
