@@ -15,9 +15,9 @@ from sovereign_operator.api import LLMDeploymentSpec
 from sovereign_operator.api.document import InvalidDeployment, check_name
 from sovereign_operator.autoscale.controller import _pods_of
 from sovereign_operator.observe import Observed, compute_status, group_statuses
-from sovereign_operator.reconcile import LWS_RETRY_SECONDS, Reconciler, RetryLater
+from sovereign_operator.reconcile import LWS_RETRY_SECONDS, Reconciler, RetryLater, budget_in_force
 from sovereign_operator.render import ClusterFacts, DeploymentRef, Rendered, render
-from sovereign_operator.render.plan import GROUP_START_SECONDS
+from sovereign_operator.render.plan import GROUP_START_SECONDS, startup_budget
 
 REF = DeploymentRef(name="ds", namespace="team-a", uid="uid-1")
 RDMA = "rdma/rdma_shared_device_a"
@@ -96,6 +96,25 @@ def test_every_member_gets_the_gpus_and_rdma_and_the_groups_flags() -> None:
     assert (
         args["--tensor-parallel-size"] == "16" and "--pipeline-parallel-size" not in args
     )  # nodeParallelism tensor
+
+
+def test_the_group_term_is_part_of_the_formula_and_the_budget_in_force_is_kept() -> None:
+    spec = LLMDeploymentSpec.model_validate(H100_SPEC)
+    single = startup_budget(LLMDeploymentSpec.model_validate(DEEPSEEK_SPEC))
+    rendered = _render(H100_SPEC)
+    formula = rendered.formula
+    assert formula.seconds == formula.formula_seconds == single.seconds + GROUP_START_SECONDS
+    assert formula.cold_seconds == (single.cold_seconds or 0) + GROUP_START_SECONDS  # a learned budget's cap
+    assert f"group start {GROUP_START_SECONDS} s" in (formula.reason or "")
+    # The reconciler renders the budget in force; the status refresh then decides the same one (no
+    # re-render on every refresh).
+    decided = budget_in_force(rendered, None)
+    again = render(REF, spec, ClusterFacts(frozenset({RDMA})), budget=decided)
+    assert again.budget == decided
+    assert budget_in_force(again, {"startupBudget": decided.model_dump(by_alias=True)}) == decided
+    # An override is the budget, with no group term.
+    overridden = _render(with_changes(H100_SPEC, startup={"budgetSeconds": 600}))
+    assert overridden.budget.seconds == 600 and overridden.budget.group_seconds == 0
 
 
 def test_workers_serve_no_api_and_leave_when_the_leader_stops_them() -> None:
