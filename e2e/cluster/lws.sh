@@ -41,7 +41,7 @@ build() {
 running() {  # the controller this state directory started is alive
   local pid
   pid=$(cat "$1/controller.pid" 2>/dev/null) || return 1
-  [[ -n "$pid" ]] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "lws-controller"
+  [[ -n "$pid" ]] && tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -q "lws-controller"
 }
 
 certs() {  # a CA and a serving certificate for 127.0.0.1, made once per state directory
