@@ -112,6 +112,16 @@ def test_the_group_term_is_part_of_the_formula_and_the_budget_in_force_is_kept()
     again = render(REF, spec, ClusterFacts(frozenset({RDMA})), budget=decided)
     assert again.budget == decided
     assert budget_in_force(again, {"startupBudget": decided.model_dump(by_alias=True)}) == decided
+    # The groups' templates are the pods a learned budget waits to roll with: another budget (its probe
+    # and the group's --rendezvous-timeout) leaves the hash alone, another image changes it.
+    learned = decided.model_copy(update={"seconds": decided.seconds - 300, "source": "observed"})
+    with_learned = render(REF, spec, ClusterFacts(frozenset({RDMA})), budget=learned)
+    assert _args(_lws(with_learned, "decode")["spec"]["leaderWorkerTemplate"]["workerTemplate"])[
+        "--rendezvous-timeout"
+    ] == str(learned.seconds)
+    assert with_learned.template_hash == rendered.template_hash
+    other_image = _render(with_changes(H100_SPEC, runtime={"image": "example.com/sovereign-runtime:other"}))
+    assert other_image.template_hash != rendered.template_hash
     # An override is the budget, with no group term.
     overridden = _render(with_changes(H100_SPEC, startup={"budgetSeconds": 600}))
     assert overridden.budget.seconds == 600 and overridden.budget.group_seconds == 0

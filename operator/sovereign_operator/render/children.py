@@ -15,7 +15,7 @@ from typing import Any
 from sovereign_operator.api.crd import API_VERSION, KIND
 from sovereign_operator.api.spec import LLMDeploymentSpec, PoolSpec, ResourceRequirements
 from sovereign_operator.api.status import StartupBudget
-from sovereign_operator.render.gang import leader_selector, leader_worker_set
+from sovereign_operator.render.gang import RENDEZVOUS_TIMEOUT_FLAG, leader_selector, leader_worker_set
 from sovereign_operator.render.modelcache import (
     CHECKPOINT_SUBDIR,
     CacheObjects,
@@ -45,6 +45,7 @@ from sovereign_operator.vocabulary import (
     BUDGET_SOURCE_ANNOTATION,
     COMPONENT_LABEL,
     INSTANCE_LABEL,
+    LWS_KIND,
     MANAGED_BY,
     MANAGED_BY_LABEL,
     NAME_LABEL,
@@ -767,17 +768,30 @@ def render(
     )
 
 
+def _worker_templates(child: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The worker pod templates of a pool's StatefulSet or LeaderWorkerSet, by a name each."""
+    name = child["metadata"]["name"]
+    if child.get("kind") == "StatefulSet":
+        return [(name, child["spec"]["template"])]
+    if child.get("kind") == LWS_KIND:
+        group = child["spec"]["leaderWorkerTemplate"]
+        return [(f"{name}/leader", group["leaderTemplate"]), (f"{name}/worker", group["workerTemplate"])]
+    return []
+
+
 def pod_templates_hash(children: list[dict[str, Any]]) -> str:
     """A digest of the worker pod templates without what the startup budget sets (the probe's
-    failureThreshold and the budget-source annotation): it changes exactly when the pods roll for
-    another reason, which is when a learned budget may change too."""
+    failureThreshold, the budget-source annotation, a group's --rendezvous-timeout): it changes exactly
+    when the pods roll for another reason, which is when a learned budget may change too."""
     templates = []
     for child in children:
-        if child.get("kind") != "StatefulSet":
-            continue
-        template = json.loads(json.dumps(child["spec"]["template"]))
-        template.get("metadata", {}).get("annotations", {}).pop(BUDGET_SOURCE_ANNOTATION, None)
-        for container in template["spec"]["containers"]:
-            container.get("startupProbe", {}).pop("failureThreshold", None)
-        templates.append([child["metadata"]["name"], template])
+        for name, original in _worker_templates(child):
+            template = json.loads(json.dumps(original))
+            template.get("metadata", {}).get("annotations", {}).pop(BUDGET_SOURCE_ANNOTATION, None)
+            for container in template["spec"]["containers"]:
+                container.get("startupProbe", {}).pop("failureThreshold", None)
+                args = container.get("args") or []
+                if RENDEZVOUS_TIMEOUT_FLAG in args[:-1]:
+                    args[args.index(RENDEZVOUS_TIMEOUT_FLAG) + 1] = "budget"
+            templates.append([name, template])
     return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()[:16]

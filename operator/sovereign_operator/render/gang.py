@@ -27,6 +27,9 @@ from sovereign_operator.vocabulary import (
     LWS_WORKER_INDEX_LABEL,
 )
 
+# The group's wait for its ranks, as long as the startup budget (so it changes with a learned budget).
+RENDEZVOUS_TIMEOUT_FLAG = "--rendezvous-timeout"
+
 # Network locality labels, nearest first, and how much a group prefers to share each (NVIDIA's topograph
 # writes the network.topology.nvidia.com ones; older releases say block where newer say leaf).
 TOPOLOGY_PREFERENCES = (
@@ -45,7 +48,7 @@ def group_flags(spec: LLMDeploymentSpec, pool: PoolSpec, budget: StartupBudget) 
         flags = {"--pipeline-parallel-size": str(nodes)}
     else:
         flags = {"--tensor-parallel-size": str(spec.runtime.tensor_parallel_size * nodes)}
-    return {**flags, "--nnodes": str(nodes), "--rendezvous-timeout": str(budget.seconds)}
+    return {**flags, "--nnodes": str(nodes), RENDEZVOUS_TIMEOUT_FLAG: str(budget.seconds)}
 
 
 def _with_flags(args: list[str], flags: dict[str, str]) -> list[str]:
