@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,6 +56,22 @@ def test_prefix_tree_evicts_least_recent_and_forgets_workers() -> None:
     assert tree.match("b" * 20).worker == "w2"
     tree.remove_worker("w2")
     assert tree.match("b" * 20).worker is None
+    assert tree.size_chars == 0
+
+
+def test_prefix_tree_eviction_drops_the_oldest_first_and_prunes_emptied_branches() -> None:
+    rng = random.Random(7)
+    prompts = ["".join(rng.choice("abcdefgh") for _ in range(30)) for _ in range(100)]
+    tree = ApproximatePrefixTree(max_chars=1000)
+    for i, prompt in enumerate(prompts):  # 3000 characters into a 1000-character budget
+        tree.insert(prompt, f"w{i % 3}")
+    # Evicted down to 90 % of the budget (a leaf at a time), then filled again.
+    assert 900 - 30 <= tree.size_chars <= 1000
+    assert tree.match(prompts[-1]).matched_chars == 30
+    assert tree.match(prompts[0]).matched_chars < 30
+    # A branch whose every leaf went is detached, not kept as an empty node.
+    for worker in ("w0", "w1", "w2"):
+        tree.remove_worker(worker)
     assert tree.size_chars == 0
 
 
