@@ -56,6 +56,9 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
 # Errors writing to the client: it hung up. Never the worker's fault.
 _CLIENT_GONE = (ConnectionError, RuntimeError)
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+# Answers with a Content-Length up to this are read whole and sent in one write; longer ones, and
+# streams (chunked, no length), are passed on as they arrive.
+BUFFERED_ANSWER_BYTES = 1024 * 1024
 DEADLINE_GUARD = web.AppKey("deadline_guard", DeadlineGuard)
 
 
@@ -152,6 +155,21 @@ class RouterMetrics:
         )
         for kind in TIMEOUT_KINDS:
             self.read_timeouts.labels(kind)
+        # Labelled children looked up once: `labels()` takes a lock and builds a key on every call.
+        self._in_flight_of: dict[str, Gauge] = {}
+        self._requests_of: dict[tuple[str, int], Counter] = {}
+
+    def set_in_flight(self, worker: Worker) -> None:
+        gauge = self._in_flight_of.get(worker.url)
+        if gauge is None:
+            gauge = self._in_flight_of[worker.url] = self.in_flight.labels(worker.url)
+        gauge.set(worker.in_flight)
+
+    def count_request(self, worker_url: str, status: int) -> None:
+        counter = self._requests_of.get((worker_url, status))
+        if counter is None:
+            counter = self._requests_of[worker_url, status] = self.requests.labels(worker_url, str(status))
+        counter.inc()
 
     def refresh_workers(self, pool: WorkerPool) -> None:
         self.workers.clear()
@@ -375,7 +393,7 @@ class Router:
                     send_headers = {**headers, INTERNAL_TOKEN_HEADER: self.config.internal_token}
             worker.in_flight += 1
             worker.breaker.begin_attempt()
-            self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+            self.metrics.set_in_flight(worker)
             response: web.StreamResponse | None = None
             try:
                 async with self._session.request(
@@ -398,8 +416,18 @@ class Router:
                     # Any other answer, a 500 included, is the request's own: the worker works.
                     self.pool.record_success(worker)
                     self.metrics.latency.observe(time.perf_counter() - started)
+                    passed = _passed_headers(upstream, ("Content-Type", "Cache-Control"))
+                    length = upstream.content_length
+                    if length is not None and length <= BUFFERED_ANSWER_BYTES:
+                        # A whole answer of known size (not a stream): read it, then send headers and
+                        # body in one write. A worker failing meanwhile is retried: nothing was sent.
+                        answer = await upstream.read()
+                        if upstream.status < 400 and payload is not None:
+                            self.policies[role].record(worker, key)
+                        self.metrics.count_request(worker.url, upstream.status)
+                        return web.Response(status=upstream.status, body=answer, headers=passed)
                     response = web.StreamResponse(status=upstream.status)
-                    response.headers.update(_passed_headers(upstream, ("Content-Type", "Cache-Control")))
+                    response.headers.update(passed)
                     try:
                         await response.prepare(request)
                     except _CLIENT_GONE:
@@ -416,7 +444,7 @@ class Router:
                         await response.write_eof()
                     if upstream.status < 400 and payload is not None:
                         self.policies[role].record(worker, key)
-                    self.metrics.requests.labels(worker.url, str(upstream.status)).inc()
+                    self.metrics.count_request(worker.url, upstream.status)
                     return response
             except (TimeoutError, aiohttp.ClientError) as exc:
                 last_error = f"worker {worker.url} failed: {exc.__class__.__name__}: {exc}"
@@ -431,7 +459,7 @@ class Router:
             finally:
                 worker.in_flight -= 1
                 worker.breaker.end_attempt()
-                self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+                self.metrics.set_in_flight(worker)
         if busy is not None:
             status, busy_headers, busy_body = busy
             self.metrics.requests.labels("none", str(status)).inc()
