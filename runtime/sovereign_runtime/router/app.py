@@ -225,7 +225,7 @@ class Router:
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.pool.workers("prefill")) and bool(self.pool.workers("decode"))
+        return self.pool.has_members("prefill") and self.pool.has_members("decode")
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
