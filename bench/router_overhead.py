@@ -139,13 +139,19 @@ def prompt(rng: random.Random) -> str:
 
 
 @dataclass
+class Phase:
+    latencies: list[float]
+    cpu_s: float
+    requests: int
+
+
+@dataclass
 class Path_:
     name: str
     urls: list[str]
     pid: int | None = None  # the router process whose CPU is counted
-    latencies: dict[tuple[float, str], list[float]] = field(default_factory=dict)
-    cpu_s: dict[tuple[float, str], float] = field(default_factory=dict)
-    requests: dict[tuple[float, str], int] = field(default_factory=dict)
+    # (rate, mode) -> one phase per round
+    phases: dict[tuple[float, str], list[Phase]] = field(default_factory=dict)
 
 
 async def phase(path: Path_, rate: float, seconds: float, stream: bool, rng: random.Random) -> None:
@@ -187,9 +193,7 @@ async def phase(path: Path_, rate: float, seconds: float, stream: bool, rng: ran
     if failures:
         raise RuntimeError(f"{path.name}: {len(failures)} of {count} requests failed, e.g. {failures[0]}")
     key = (rate, "stream" if stream else "plain")
-    path.latencies.setdefault(key, []).extend(latencies)
-    path.cpu_s[key] = path.cpu_s.get(key, 0.0) + cpu
-    path.requests[key] = path.requests.get(key, 0) + count
+    path.phases.setdefault(key, []).append(Phase(latencies, cpu, count))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -197,33 +201,40 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(paths: list[Path_], args: argparse.Namespace) -> None:
+    """Per round, each router's added p50 and p99 (its phase against the direct phase of the same round)
+    and CPU per request; printed as medians over rounds, and ours / peer as the median of the per-round
+    ratios with their range."""
     direct, ours, peer = paths
     print(
         f"\n{args.rounds} rounds × {args.seconds:g} s per path, rate and mode; {args.workers} stub workers; "
-        f"policy {args.policy} (peer: {PEER_POLICY[args.policy]}); Poisson arrivals"
+        f"policy {args.policy} (peer: {PEER_POLICY[args.policy]}); Poisson arrivals; medians over rounds"
     )
     print(
-        "| rate/s | mode | direct p50 / p99 ms | ours added p50 / p99 ms | sglang-router added p50 / p99 ms "
-        "| ours / sglang p50, p99 | CPU ms/request ours / sglang (ratio) |"
+        "| rate/s | mode | direct p50 / p99 ms | added p50 ms: ours / sglang-router (ratio, range) "
+        "| added p99 ms: ours / sglang-router (ratio, range) | CPU ms/request: ours / sglang-router (ratio, range) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for key in direct.latencies:
-        d = direct.latencies[key]
-        d50, d99 = statistics.median(d) * 1e3, pct(d, 99) * 1e3
-        added = {}
+    print("| --- | --- | --- | --- | --- | --- |")
+
+    def cell(mine: list[float], theirs: list[float], digits: int) -> str:
+        ratios = sorted(m / t for m, t in zip(mine, theirs, strict=True) if t > 0)
+        spread = f"{statistics.median(ratios):.2f}×, {ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "n/a"
+        return f"{statistics.median(mine):.{digits}f} / {statistics.median(theirs):.{digits}f} ({spread})"
+
+    for key, direct_phases in direct.phases.items():
+        d50 = [statistics.median(ph.latencies) * 1e3 for ph in direct_phases]
+        d99 = [pct(ph.latencies, 99) * 1e3 for ph in direct_phases]
+        added: dict[str, tuple[list[float], list[float], list[float]]] = {}
         for p in (ours, peer):
-            v = p.latencies[key]
-            added[p.name] = (statistics.median(v) * 1e3 - d50, pct(v, 99) * 1e3 - d99)
-        cpu = {p.name: p.cpu_s[key] / p.requests[key] * 1e3 for p in (ours, peer)}
-        o, s = added[ours.name], added[peer.name]
-
-        def ratio(a: float, b: float) -> str:
-            return f"{a / b:.2f}×" if b > 0 else "n/a"
-
+            phases = p.phases[key]
+            added[p.name] = (
+                [statistics.median(ph.latencies) * 1e3 - d for ph, d in zip(phases, d50, strict=True)],
+                [pct(ph.latencies, 99) * 1e3 - d for ph, d in zip(phases, d99, strict=True)],
+                [ph.cpu_s / ph.requests * 1e3 for ph in phases],
+            )
+        o, s_ = added[ours.name], added[peer.name]
         print(
-            f"| {key[0]:g} | {key[1]} | {d50:.2f} / {d99:.2f} | {o[0]:.2f} / {o[1]:.2f} | {s[0]:.2f} / {s[1]:.2f} "
-            f"| {ratio(o[0], s[0])}, {ratio(o[1], s[1])} "
-            f"| {cpu[ours.name]:.3f} / {cpu[peer.name]:.3f} ({ratio(cpu[ours.name], cpu[peer.name])}) |"
+            f"| {key[0]:g} | {key[1]} | {statistics.median(d50):.2f} / {statistics.median(d99):.2f} "
+            f"| {cell(o[0], s_[0], 2)} | {cell(o[1], s_[1], 2)} | {cell(o[2], s_[2], 3)} |"
         )
 
 
@@ -276,9 +287,7 @@ async def main_async(args: argparse.Namespace) -> None:
         for p in paths:  # warm-up: connection pools, the routers' first health checks
             for stream in modes:
                 await phase(p, min(args.rates), 1, stream, rng)
-            p.latencies.clear()
-            p.cpu_s.clear()
-            p.requests.clear()
+            p.phases.clear()
         for round_index in range(args.rounds):
             for rate in args.rates:
                 for stream in modes:
