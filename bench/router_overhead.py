@@ -200,18 +200,18 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) >= 100 else max(values)
 
 
-def report(paths: list[Path_], args: argparse.Namespace) -> None:
+def report(direct: Path_, ours: Path_, peer: Path_, args: argparse.Namespace) -> None:
     """Per round, each router's added p50 and p99 (its phase against the direct phase of the same round)
     and CPU per request; printed as medians over rounds, and ours / peer as the median of the per-round
     ratios with their range."""
-    direct, ours, peer = paths
     print(
-        f"\n{args.rounds} rounds × {args.seconds:g} s per path, rate and mode; {args.workers} stub workers; "
-        f"policy {args.policy} (peer: {PEER_POLICY[args.policy]}); Poisson arrivals; medians over rounds"
+        f"\n{ours.name} against {peer.name}: {args.rounds} rounds × {args.seconds:g} s per path, rate and mode; "
+        f"{args.workers} stub workers; policy {args.policy} (peer: {PEER_POLICY[args.policy]}); Poisson "
+        "arrivals; medians over rounds"
     )
     print(
-        "| rate/s | mode | direct p50 / p99 ms | added p50 ms: ours / sglang-router (ratio, range) "
-        "| added p99 ms: ours / sglang-router (ratio, range) | CPU ms/request: ours / sglang-router (ratio, range) |"
+        f"| rate/s | mode | direct p50 / p99 ms | added p50 ms: {ours.name} / {peer.name} (ratio, range) "
+        f"| added p99 ms: same | CPU ms/request: same |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
 
@@ -257,15 +257,24 @@ async def main_async(args: argparse.Namespace) -> None:
             worker_urls.append(f"http://127.0.0.1:{port}")
         for url in worker_urls:
             await wait_ready(url + "/health")
-        ours_port, peer_port = free_port(), free_port()
-        ours = subprocess.Popen(
-            [
+        ours_port, peer_port, baseline_port = free_port(), free_port(), free_port()
+
+        def start_ours(port: int, log_name: str, source: str | None) -> subprocess.Popen:
+            env = dict(os.environ)
+            if source:  # another checkout's runtime/ first on the path: its router, not this one
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
+            command = [
                 sys.executable, "-m", "sovereign_runtime", "router", "--host", "127.0.0.1",
-                "--port", str(ours_port), "--policy", args.policy, "--worker", *worker_urls,
-            ],
-            stdout=log_file("router-ours.log"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+                "--port", str(port), "--policy", args.policy, "--worker", *worker_urls,
+            ]  # fmt: skip
+            return subprocess.Popen(command, stdout=log_file(log_name), stderr=subprocess.STDOUT, env=env)
+
+        ours = start_ours(ours_port, "router-ours.log", None)
         procs.append(ours)
+        baseline = None
+        if args.baseline_source:
+            baseline = start_ours(baseline_port, "router-baseline.log", args.baseline_source)
+            procs.append(baseline)
         peer = subprocess.Popen(
             [
                 str(peer_python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -282,6 +291,11 @@ async def main_async(args: argparse.Namespace) -> None:
             Path_("ours", [f"http://127.0.0.1:{ours_port}/v1/completions"], ours.pid),
             Path_("sglang-router", [f"http://127.0.0.1:{peer_port}/v1/completions"], peer.pid),
         ]
+        if baseline is not None:
+            await wait_ready(f"http://127.0.0.1:{baseline_port}/health/ready")
+            paths.append(
+                Path_("baseline", [f"http://127.0.0.1:{baseline_port}/v1/completions"], baseline.pid)
+            )
         rng = random.Random(args.seed)
         modes = [m == "stream" for m in args.modes]
         for p in paths:  # warm-up: connection pools, the routers' first health checks
@@ -295,7 +309,9 @@ async def main_async(args: argparse.Namespace) -> None:
                     for p in paths[shift:] + paths[:shift]:
                         await phase(p, rate, args.seconds, stream, rng)
             print(f"round {round_index + 1} of {args.rounds} done", flush=True)
-        report(paths, args)
+        report(paths[0], paths[1], paths[2], args)
+        if baseline is not None:
+            report(paths[0], paths[3], paths[2], args)
     finally:
         for proc in procs:
             proc.terminate()
@@ -319,6 +335,12 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=16, help="SSE events per streamed answer")
     parser.add_argument("--policy", choices=sorted(PEER_POLICY), default="cache-aware")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--baseline-source",
+        metavar="DIR",
+        help="also measure the router of another checkout (its runtime/ folder, e.g. one made with"
+        " `git archive main runtime | tar -x -C DIR`), interleaved as a fourth path, as 'baseline'",
+    )
     args = parser.parse_args()
     if args.rounds < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
         parser.error("--rounds, --seconds and --rates must be positive")
