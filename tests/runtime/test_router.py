@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from loopback import serve_app
+from prometheus_client import generate_latest
 from sovereign_runtime.router.app import Router, RouterConfig, create_app
 from sovereign_runtime.router.cli import add_router_arguments, validate_router_args
 from sovereign_runtime.router.discovery import endpoint_urls
@@ -310,6 +311,36 @@ def test_routes_and_streams_through_to_workers() -> None:
                 assert text.count("data: ") == 4 and text.endswith("data: [DONE]\n\n")
                 async with client.get(f"{url}/v1/models") as resp:
                     assert (await resp.json())["data"][0]["id"] == "tiny"
+
+    run(scenario())
+
+
+def test_a_whole_answer_cut_off_midway_is_retried_on_another_worker() -> None:
+    """A non-streamed answer (Content-Length) is read whole before the client gets a byte: a worker
+    that drops the connection halfway through it is retried, and the client sees only the full answer."""
+
+    async def cut_off(request: web.Request, payload: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+        await response.prepare(request)
+        await response.write(b'{"worker": "cut"')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    async def scenario() -> None:
+        cut, whole = StubWorker("cut", cut_off), StubWorker("whole")
+        async with serve_app(cut.app) as url_cut, serve_app(whole.app) as url_whole:
+            async with (
+                router_over({"worker": [url_cut, url_whole]}, policy="round-robin") as (url, router),
+                aiohttp.ClientSession() as client,
+            ):
+                for _ in range(2):  # round-robin: one of the two starts on the cutting worker
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                        assert resp.status == 200
+                        assert await resp.json() == {"worker": "whole"}
+                assert len(cut.requests) == 1 and len(whole.requests) == 2
+                metrics = generate_latest(router.metrics.registry).decode()
+                assert "sovereign_router_retries_total 1.0" in metrics
 
     run(scenario())
 

@@ -3,7 +3,8 @@
 Requests are proxied byte for byte (SSE included) to a worker the policy picks. A worker that fails
 (refused or dropped connection, timeout), answers 503 (starting, draining) or 429 (its queue is full)
 before any byte reached the client is retried on another worker; once bytes flowed, the client gets an
-error event instead of a silent truncation. Only a worker's own failures take it out of rotation (see
+error event instead of a silent truncation. Whole answers of known length (not streams) are read before
+the client gets any byte, and then sent in one write. Only a worker's own failures take it out of rotation (see
 `health`): any other answer, a 500 caused by one bad request included, goes to the client as it is.
 Fields only the router may set (`kv_transfer_params`) are dropped from what clients send. In prefill/decode mode the router pairs a
 decode worker with a prefill worker and tells the decode worker where to pull the KV cache from
