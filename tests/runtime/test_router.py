@@ -315,6 +315,27 @@ def test_routes_and_streams_through_to_workers() -> None:
     run(scenario())
 
 
+def test_the_router_keeps_no_cookie_a_worker_set() -> None:
+    """A worker's Set-Cookie is never sent with later requests (other clients' included): the router's
+    client keeps no cookie jar. By name, not IP address: a jar keeps no cookies for IP addresses anyway."""
+
+    async def sets_cookie(request: web.Request, payload: dict) -> web.Response:
+        response = web.json_response({"cookie": request.headers.get("Cookie")})
+        response.set_cookie("session", "client-1")
+        return response
+
+    async def scenario() -> None:
+        worker = StubWorker("a", sets_cookie)
+        async with serve_app(worker.app) as url_a:
+            by_name = url_a.replace("127.0.0.1", "localhost")
+            async with router_over({"worker": [by_name]}) as (url, _), aiohttp.ClientSession() as client:
+                for _ in range(2):
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                        assert await resp.json() == {"cookie": None}
+
+    run(scenario())
+
+
 def test_a_whole_answer_cut_off_midway_is_retried_on_another_worker() -> None:
     """A non-streamed answer (Content-Length) is read whole before the client gets a byte: a worker
     that drops the connection halfway through it is retried, and the client sees only the full answer."""

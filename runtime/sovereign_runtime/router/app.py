@@ -233,7 +233,11 @@ class Router:
         timeout = aiohttp.ClientTimeout(
             total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
         )
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        # No cookie jar: a proxy must not keep one worker answer's Set-Cookie and send it with other
+        # clients' requests (and filtering a jar costs every request).
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+        )
         self._tasks.append(asyncio.create_task(self.lag.run()))
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
