@@ -26,7 +26,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -116,8 +116,8 @@ class _Watched(asyncio.Protocol):
 
     # asyncio.Protocol, forwarded
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # Not an isinstance check: uvloop's transports are not asyncio.Transport subclasses.
+        self.transport = cast(asyncio.Transport, transport)
         self.guard.connections[id(self.inner)] = self
         self._arm()
         self.inner.connection_made(transport)
@@ -207,7 +207,9 @@ class DeadlineGuard:
                     limit = guard.deadlines.body_timeout_s
                     try:
                         # Read (and cache) the whole body now: the handler's read returns it at once.
-                        await asyncio.wait_for(request.read(), limit)
+                        # asyncio.timeout, not wait_for: no task per request.
+                        async with asyncio.timeout(limit):
+                            await request.read()
                     except TimeoutError:
                         guard.count("body")
                         response = web.Response(

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from loopback import serve_app
+from prometheus_client import generate_latest
 from sovereign_runtime.router.app import Router, RouterConfig, create_app
 from sovereign_runtime.router.cli import add_router_arguments, validate_router_args
 from sovereign_runtime.router.discovery import endpoint_urls
@@ -55,6 +57,22 @@ def test_prefix_tree_evicts_least_recent_and_forgets_workers() -> None:
     assert tree.match("b" * 20).worker == "w2"
     tree.remove_worker("w2")
     assert tree.match("b" * 20).worker is None
+    assert tree.size_chars == 0
+
+
+def test_prefix_tree_eviction_drops_the_oldest_first_and_prunes_emptied_branches() -> None:
+    rng = random.Random(7)
+    prompts = ["".join(rng.choice("abcdefgh") for _ in range(30)) for _ in range(100)]
+    tree = ApproximatePrefixTree(max_chars=1000)
+    for i, prompt in enumerate(prompts):  # 3000 characters into a 1000-character budget
+        tree.insert(prompt, f"w{i % 3}")
+    # Evicted down to 90 % of the budget (a leaf at a time), then filled again.
+    assert 900 - 30 <= tree.size_chars <= 1000
+    assert tree.match(prompts[-1]).matched_chars == 30
+    assert tree.match(prompts[0]).matched_chars < 30
+    # A branch whose every leaf went is detached, not kept as an empty node.
+    for worker in ("w0", "w1", "w2"):
+        tree.remove_worker(worker)
     assert tree.size_chars == 0
 
 
@@ -293,6 +311,57 @@ def test_routes_and_streams_through_to_workers() -> None:
                 assert text.count("data: ") == 4 and text.endswith("data: [DONE]\n\n")
                 async with client.get(f"{url}/v1/models") as resp:
                     assert (await resp.json())["data"][0]["id"] == "tiny"
+
+    run(scenario())
+
+
+def test_the_router_keeps_no_cookie_a_worker_set() -> None:
+    """A worker's Set-Cookie is never sent with later requests (other clients' included): the router's
+    client keeps no cookie jar. By name, not IP address: a jar keeps no cookies for IP addresses anyway."""
+
+    async def sets_cookie(request: web.Request, payload: dict) -> web.Response:
+        response = web.json_response({"cookie": request.headers.get("Cookie")})
+        response.set_cookie("session", "client-1")
+        return response
+
+    async def scenario() -> None:
+        worker = StubWorker("a", sets_cookie)
+        async with serve_app(worker.app) as url_a:
+            by_name = url_a.replace("127.0.0.1", "localhost")
+            async with router_over({"worker": [by_name]}) as (url, _), aiohttp.ClientSession() as client:
+                for _ in range(2):
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                        assert await resp.json() == {"cookie": None}
+
+    run(scenario())
+
+
+def test_a_whole_answer_cut_off_midway_is_retried_on_another_worker() -> None:
+    """A non-streamed answer (Content-Length) is read whole before the client gets a byte: a worker
+    that drops the connection halfway through it is retried, and the client sees only the full answer."""
+
+    async def cut_off(request: web.Request, payload: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+        await response.prepare(request)
+        await response.write(b'{"worker": "cut"')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    async def scenario() -> None:
+        cut, whole = StubWorker("cut", cut_off), StubWorker("whole")
+        async with serve_app(cut.app) as url_cut, serve_app(whole.app) as url_whole:
+            async with (
+                router_over({"worker": [url_cut, url_whole]}, policy="round-robin") as (url, router),
+                aiohttp.ClientSession() as client,
+            ):
+                for _ in range(2):  # round-robin: one of the two starts on the cutting worker
+                    async with client.post(f"{url}/v1/completions", json={"prompt": "x"}) as resp:
+                        assert resp.status == 200
+                        assert await resp.json() == {"worker": "whole"}
+                assert len(cut.requests) == 1 and len(whole.requests) == 2
+                metrics = generate_latest(router.metrics.registry).decode()
+                assert "sovereign_router_retries_total 1.0" in metrics
 
     run(scenario())
 

@@ -3,7 +3,8 @@
 Requests are proxied byte for byte (SSE included) to a worker the policy picks. A worker that fails
 (refused or dropped connection, timeout), answers 503 (starting, draining) or 429 (its queue is full)
 before any byte reached the client is retried on another worker; once bytes flowed, the client gets an
-error event instead of a silent truncation. Only a worker's own failures take it out of rotation (see
+error event instead of a silent truncation. Whole answers of known length (not streams) are read before
+the client gets any byte, and then sent in one write. Only a worker's own failures take it out of rotation (see
 `health`): any other answer, a 500 caused by one bad request included, goes to the client as it is.
 Fields only the router may set (`kv_transfer_params`) are dropped from what clients send. In prefill/decode mode the router pairs a
 decode worker with a prefill worker and tells the decode worker where to pull the KV cache from
@@ -56,6 +57,9 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
 # Errors writing to the client: it hung up. Never the worker's fault.
 _CLIENT_GONE = (ConnectionError, RuntimeError)
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+# Answers with a Content-Length up to this are read whole and sent in one write; longer ones, and
+# streams (chunked, no length), are passed on as they arrive.
+BUFFERED_ANSWER_BYTES = 1024 * 1024
 DEADLINE_GUARD = web.AppKey("deadline_guard", DeadlineGuard)
 
 
@@ -152,6 +156,21 @@ class RouterMetrics:
         )
         for kind in TIMEOUT_KINDS:
             self.read_timeouts.labels(kind)
+        # Labelled children looked up once: `labels()` takes a lock and builds a key on every call.
+        self._in_flight_of: dict[str, Gauge] = {}
+        self._requests_of: dict[tuple[str, int], Counter] = {}
+
+    def set_in_flight(self, worker: Worker) -> None:
+        gauge = self._in_flight_of.get(worker.url)
+        if gauge is None:
+            gauge = self._in_flight_of[worker.url] = self.in_flight.labels(worker.url)
+        gauge.set(worker.in_flight)
+
+    def count_request(self, worker_url: str, status: int) -> None:
+        counter = self._requests_of.get((worker_url, status))
+        if counter is None:
+            counter = self._requests_of[worker_url, status] = self.requests.labels(worker_url, str(status))
+        counter.inc()
 
     def refresh_workers(self, pool: WorkerPool) -> None:
         self.workers.clear()
@@ -207,14 +226,18 @@ class Router:
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.pool.workers("prefill")) and bool(self.pool.workers("decode"))
+        return self.pool.has_members("prefill") and self.pool.has_members("decode")
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(
             total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
         )
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        # No cookie jar: a proxy must not keep one worker answer's Set-Cookie and send it with other
+        # clients' requests (and filtering a jar costs every request).
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+        )
         self._tasks.append(asyncio.create_task(self.lag.run()))
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
@@ -375,7 +398,7 @@ class Router:
                     send_headers = {**headers, INTERNAL_TOKEN_HEADER: self.config.internal_token}
             worker.in_flight += 1
             worker.breaker.begin_attempt()
-            self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+            self.metrics.set_in_flight(worker)
             response: web.StreamResponse | None = None
             try:
                 async with self._session.request(
@@ -398,8 +421,18 @@ class Router:
                     # Any other answer, a 500 included, is the request's own: the worker works.
                     self.pool.record_success(worker)
                     self.metrics.latency.observe(time.perf_counter() - started)
+                    passed = _passed_headers(upstream, ("Content-Type", "Cache-Control"))
+                    length = upstream.content_length
+                    if length is not None and length <= BUFFERED_ANSWER_BYTES:
+                        # A whole answer of known size (not a stream): read it, then send headers and
+                        # body in one write. A worker failing meanwhile is retried: nothing was sent.
+                        answer = await upstream.read()
+                        if upstream.status < 400 and payload is not None:
+                            self.policies[role].record(worker, key)
+                        self.metrics.count_request(worker.url, upstream.status)
+                        return web.Response(status=upstream.status, body=answer, headers=passed)
                     response = web.StreamResponse(status=upstream.status)
-                    response.headers.update(_passed_headers(upstream, ("Content-Type", "Cache-Control")))
+                    response.headers.update(passed)
                     try:
                         await response.prepare(request)
                     except _CLIENT_GONE:
@@ -416,7 +449,7 @@ class Router:
                         await response.write_eof()
                     if upstream.status < 400 and payload is not None:
                         self.policies[role].record(worker, key)
-                    self.metrics.requests.labels(worker.url, str(upstream.status)).inc()
+                    self.metrics.count_request(worker.url, upstream.status)
                     return response
             except (TimeoutError, aiohttp.ClientError) as exc:
                 last_error = f"worker {worker.url} failed: {exc.__class__.__name__}: {exc}"
@@ -431,7 +464,7 @@ class Router:
             finally:
                 worker.in_flight -= 1
                 worker.breaker.end_attempt()
-                self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+                self.metrics.set_in_flight(worker)
         if busy is not None:
             status, busy_headers, busy_body = busy
             self.metrics.requests.labels("none", str(status)).inc()

@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import uvloop
 from aiohttp import web
 
 from ..program import UsageError
@@ -185,16 +186,19 @@ def run_router(args: argparse.Namespace) -> None:
         router.add_background(_prompt_checks(router))
 
     app.on_startup.append(start_discovery)
-    asyncio.run(
-        serve_router(
-            app,
-            args.host,
-            args.port,
-            shutdown_delay_s=args.shutdown_delay,
-            drain_timeout_s=args.drain_timeout,
-            router=router,
+    # uvloop: the router is all socket I/O and event-loop bookkeeping, which uvloop does in C (about a
+    # third less CPU per proxied request than asyncio's own loop, bench/router_overhead.py).
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(
+            serve_router(
+                app,
+                args.host,
+                args.port,
+                shutdown_delay_s=args.shutdown_delay,
+                drain_timeout_s=args.drain_timeout,
+                router=router,
+            )
         )
-    )
 
 
 async def serve_router(

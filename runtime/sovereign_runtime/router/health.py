@@ -96,7 +96,9 @@ class LoopLagMonitor:
     worker: the answer may have been waiting in the socket while the router was busy elsewhere.
     """
 
-    def __init__(self, tick_s: float = 0.05, keep_s: float = 120.0) -> None:
+    # A tick of 0.1 s resolves lateness well below the 25 % of a health check's timeout that matters, at
+    # 10 wake-ups a second (an idle router's only CPU use besides its health checks).
+    def __init__(self, tick_s: float = 0.1, keep_s: float = 120.0) -> None:
         self.tick_s = tick_s
         self._samples: deque[tuple[float, float]] = deque(maxlen=max(1, int(keep_s / tick_s)))
         self._tick_started: float | None = None

@@ -139,6 +139,7 @@ class WorkerPool:
         self.max_cooldown_s = max_cooldown_s
         self._clock = clock
         self._workers: dict[str, Worker] = {}
+        self._by_role: dict[Role, list[Worker]] = {}
 
     def _breaker(self) -> CircuitBreaker:
         breaker = CircuitBreaker(self.failure_threshold, self.cooldown_s, self.max_cooldown_s)
@@ -154,13 +155,20 @@ class WorkerPool:
         for url in urls:
             if url not in self._workers:
                 self._workers[url] = Worker(url=url, role=role, breaker=self._breaker())
+        # Members by role, kept with the membership: every request asks for them.
+        self._by_role[role] = [w for w in self._workers.values() if w.role == role]
         return gone
 
     def workers(self, role: Role | None = None) -> list[Worker]:
-        return [w for w in self._workers.values() if role is None or w.role == role]
+        if role is None:
+            return list(self._workers.values())
+        return list(self._by_role.get(role, ()))
+
+    def has_members(self, role: Role) -> bool:
+        return bool(self._by_role.get(role))
 
     def routable(self, role: Role, exclude: frozenset[str] | set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers(role) if w.routable and w.url not in exclude]
+        return [w for w in self._by_role.get(role, ()) if w.routable and w.url not in exclude]
 
     def get(self, url: str) -> Worker | None:
         return self._workers.get(url)

@@ -7,6 +7,7 @@ character budget, just as the worker's own cache evicts old prefixes.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -67,11 +68,14 @@ class ApproximatePrefixTree:
             if child is None:
                 break
             common = _common_prefix_len(child.key, rest)
-            candidates = {w: t for w, t in child.workers.items() if alive is None or w in alive}
-            if not candidates:
+            latest, latest_time = None, -1
+            for worker, used in child.workers.items():
+                if used > latest_time and (alive is None or worker in alive):
+                    latest, latest_time = worker, used
+            if latest is None:
                 break
             matched += common
-            best = PrefixMatch(max(candidates, key=candidates.__getitem__), matched)
+            best = PrefixMatch(latest, matched)
             if common < len(child.key):
                 break
             node, rest = child, rest[common:]
@@ -96,18 +100,31 @@ class ApproximatePrefixTree:
         return head
 
     def _evict(self) -> None:
-        # Drop the least recently used (leaf, worker) pairs until the tree is back under 90 % of its budget.
+        # Drop the least recently used (leaf, worker) pairs until the tree is back under 90 % of its
+        # budget: one walk and a heap of leaves, not a walk per evicted entry. A leaf that lost its last
+        # worker is detached, and its parent becomes a leaf in turn.
         target = int(self.max_chars * 0.9)
-        while self._chars > target:
-            leaves = [n for n in self._iter_nodes() if not n.children and n is not self._root]
-            if not leaves:
-                return
-            leaf = min(leaves, key=lambda n: min(n.workers.values(), default=0))
+        heap = [
+            (min(n.workers.values(), default=0), id(n), n)
+            for n in self._iter_nodes()
+            if not n.children and n is not self._root
+        ]
+        heapq.heapify(heap)
+        while self._chars > target and heap:
+            used, _, leaf = heapq.heappop(heap)
+            if leaf.children or leaf.parent is None or min(leaf.workers.values(), default=0) != used:
+                continue  # stale: it gained children or a newer user since it was pushed
             oldest = min(leaf.workers, key=leaf.workers.__getitem__, default=None)
             if oldest is not None:
                 del leaf.workers[oldest]
-            if not leaf.workers:
-                self._detach(leaf)
+            if leaf.workers:
+                heapq.heappush(heap, (min(leaf.workers.values()), id(leaf), leaf))
+                continue
+            parent = leaf.parent
+            self._detach(leaf)
+            leaf.parent = None
+            if parent is not self._root and not parent.children:
+                heapq.heappush(heap, (min(parent.workers.values(), default=0), id(parent), parent))
 
     def _prune(self, node: _Node) -> None:
         for child in list(node.children.values()):
@@ -130,8 +147,16 @@ class ApproximatePrefixTree:
 
 
 def _common_prefix_len(a: str, b: str) -> int:
+    # Slice comparisons (memcmp in C) with a binary search, not a Python loop per character: prompts
+    # run to thousands of characters and this runs on every request.
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
