@@ -62,7 +62,7 @@ POD_CIDR=127.0.80.0/24
 # One controller-manager and one scheduler: without leader election they survive an etcd or
 # apiserver restart (`restart`), where a lost lease would make them exit.
 # What `create` was given that an existing cluster must match; a mismatch recreates it.
-create_stamp="pod-cidr=$POD_CIDR leader-elect=false"
+create_stamp="pod-cidr=$POD_CIDR leader-elect=false audit=$(sha256sum "$here/kwok/audit-policy.yaml" | cut -c1-12)"
 stamp_file() { echo "$KWOK_WORKDIR/clusters/$name/sovereign-create-stamp"; }
 
 healthy() {
