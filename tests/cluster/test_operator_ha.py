@@ -1,9 +1,11 @@
 """Two operator replicas on one leader-election Lease, on the real control plane.
 
-The leader is killed (SIGKILL) and cut off from the apiserver (its connections go through a proxy
-the test closes: a network partition) in turn while the LLMDeployment changes; after each fault the
-standby takes over and converges the change, and the apiserver's audit log shows every write came
-from the replica that held the Lease at that moment: never both.
+The leader is killed (SIGKILL), cut off from the apiserver (its connections go through a proxy
+the test closes: a network partition), frozen (SIGSTOP, right after a spec change it has begun to
+act on; resumed with SIGCONT once the standby leads) and stopped (SIGTERM) in turn while the
+LLMDeployment changes; after each fault the standby takes over and converges the change, and the
+apiserver's audit log shows every write came from the replica that held the Lease at that moment:
+never both. The frozen leader, resumed, writes nothing and exits.
 
 The replicas watch a namespace of their own (not the session's prefix), so the session's operator
 never competes with them, and each has its own ServiceAccount, so the audit log tells them apart.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -188,7 +191,7 @@ def ha_namespace(kube: Kubectl, operator_kubeconfig: Path) -> Iterator[str]:
         kube.run("delete", "namespace", name, "--wait=true", "--timeout=90s", check=False, timeout=120)
 
 
-def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_write(
+def test_standby_takes_over_from_a_killed_partitioned_frozen_or_stopped_leader_and_never_both_write(
     kube: Kubectl, ha_namespace: str, tmp_path: Path
 ) -> None:
     ns = ha_namespace
@@ -235,14 +238,22 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
             timeout=60,
         )
 
-        for round_, fault in enumerate(("kill", "partition", "terminate"), start=1):
+        for round_, fault in enumerate(("kill", "partition", "freeze", "terminate"), start=1):
             leader_proc, leader_partition = replicas[holder]
             standby = next(name for name in replicas if name != holder)
+            if fault == "freeze":
+                # A change the leader is about to act on when it freezes: once resumed, whatever it
+                # had in flight must not reach the apiserver (the new leader owns the object).
+                kube.apply(llmd("tiny", {**TINY, "decode": {"replicas": 10 + round_}}), ns)
+                time.sleep(0.05)
             fault_at = time.time()
             if fault == "kill":
                 leader_proc.kill()
             elif fault == "terminate":
                 leader_proc.stop()  # SIGTERM: finish in-flight work, release the Lease at once
+            elif fault == "freeze":
+                assert leader_proc.proc is not None
+                leader_proc.proc.send_signal(signal.SIGSTOP)
             else:
                 leader_partition.cut()
             # Its term ends when it can write no more: at once for a kill or a partition, once the
@@ -278,6 +289,19 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
                     timeout=RENEW_DEADLINE + 5,
                 )
                 leader_partition.heal()
+            if fault == "freeze":
+                # Resumed long after its renew deadline: it finds itself no longer the leader,
+                # writes nothing (fenced) and exits; the new leader's replicas stand.
+                assert leader_proc.proc is not None
+                leader_proc.proc.send_signal(signal.SIGCONT)
+                wait_for(
+                    "the resumed leader to exit",
+                    lambda p=leader_proc: p.proc.poll() is not None,
+                    timeout=RENEW_DEADLINE + 10,
+                )
+                time.sleep(2)
+                sts = kube.get_or_none("statefulset", "tiny-unified", "-n", ns) or {}
+                assert sts.get("spec", {}).get("replicas") == 1 + round_, "the resumed leader wrote"
             leader_proc.start()  # back as the standby
             wait_for_standby(leader_proc)
             holder = standby
@@ -301,8 +325,9 @@ def test_standby_takes_over_from_a_killed_or_partitioned_leader_and_never_both_w
             if event.get("objectRef", {}).get("namespace") != ns:
                 continue
             at = micro_epoch(event["requestReceivedTimestamp"])
+            # 0.5 s either side: a request sent just before a fault is received just after it.
             if not any(
-                start - 0.5 <= at <= (end if end is not None else float("inf")) for start, end in mine
+                start - 0.5 <= at <= (end + 0.5 if end is not None else float("inf")) for start, end in mine
             ):
                 ref = event["objectRef"]
                 bad.append(f"{identity} {event['verb']} {ref.get('resource')}/{ref.get('name')} at {at:.3f}")
