@@ -59,10 +59,13 @@ exists() { [[ -f "$KWOK_WORKDIR/clusters/$name/kwok.yaml" ]]; }
 # machine routes there (a sandbox's egress proxy answered 404, or timed out under load), and the
 # health conditions changed with it.
 POD_CIDR=127.0.80.0/24
+# Room for a fleet's Services (bench/cluster_scale.py makes 1000 ClusterIPs); the apiserver's
+# default is a /24. The `kubernetes` Service keeps 10.0.0.1.
+SERVICE_CIDR=10.0.0.0/16
 # One controller-manager and one scheduler: without leader election they survive an etcd or
 # apiserver restart (`restart`), where a lost lease would make them exit.
 # What `create` was given that an existing cluster must match; a mismatch recreates it.
-create_stamp="pod-cidr=$POD_CIDR leader-elect=false audit=$(sha256sum "$here/kwok/audit-policy.yaml" | cut -c1-12)"
+create_stamp="pod-cidr=$POD_CIDR service-cidr=$SERVICE_CIDR leader-elect=false audit=$(sha256sum "$here/kwok/audit-policy.yaml" | cut -c1-12)"
 stamp_file() { echo "$KWOK_WORKDIR/clusters/$name/sovereign-create-stamp"; }
 
 healthy() {
@@ -132,6 +135,7 @@ up() {
       --extra-args "kwok-controller=cidr=$POD_CIDR" \
       --extra-args "kube-controller-manager=leader-elect=false" \
       --extra-args "kube-scheduler=leader-elect=false" \
+      --extra-args "kube-apiserver=service-cluster-ip-range=$SERVICE_CIDR" \
       --wait 60s >"$state/create-$name.log" 2>&1 || {
       cat "$state/create-$name.log" >&2
       exit 1
