@@ -1,14 +1,18 @@
 """The thin layer between the operator and the apiserver (lightkube, async).
 
-Every write is a server-side apply under one field manager with force, or a merge patch of
-`status`; nothing here decides anything.
+Every write is a server-side apply under one field manager with force, a merge patch of `status`,
+or a delete; nothing here decides anything. Reads come from the watch cache (cache.py) once the
+informers have listed every watched kind, and from the apiserver before that or when the cache has
+no answer (a pod's log is always read from the apiserver).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from lightkube import ApiError, AsyncClient, codecs
@@ -22,6 +26,7 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import CascadeType, PatchType
 
 from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
+from sovereign_operator.cache import ClusterCache, WatchedKind
 from sovereign_operator.modeldownload import JOB_NAME_LABEL, JobView
 from sovereign_operator.observe import Observed
 from sovereign_operator.render.modelcache import SHARED_COMPONENTS
@@ -54,6 +59,10 @@ log = logging.getLogger(__name__)
 LeaderWorkerSetResource = create_namespaced_resource(LWS_GROUP, LWS_VERSION, LWS_KIND, LWS_PLURAL)
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
 _PRUNABLE = (StatefulSet, LeaderWorkerSetResource, Service, PodDisruptionBudget, NetworkPolicy)
+_PRUNABLE_KINDS = tuple(kind.__name__ for kind in _PRUNABLE)
+# How long one LIST of the nodes answers `advertised_resources`: a burst of new deployments
+# resolving `mode: auto` reads the nodes once, not once each.
+NODE_FACTS_TTL_S = 10.0
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -64,51 +73,106 @@ def shared_field_manager(owner_uid: str) -> str:
     return f"{FIELD_MANAGER}-{owner_uid}"
 
 
+@functools.cache
+def _resource(api_version: str, kind: str) -> Any:
+    if (api_version, kind) == (f"{GROUP}/{VERSION}", KIND):
+        return LLMDeploymentResource
+    return codecs.resource_registry.load(api_version, kind)
+
+
+def api_resource(kind: WatchedKind) -> Any:
+    """lightkube's resource class of a watched kind."""
+    return _resource(kind.api_version, kind.kind)
+
+
+def _code(error: ApiError) -> int | None:
+    return getattr(error.status, "code", None)
+
+
 class Kube:
-    def __init__(self, client: AsyncClient, write_fence: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        write_fence: Callable[[], None] | None = None,
+        cache: ClusterCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         # Node name -> (when read, its typing labels): nodes rarely change type, pods read them often.
         self._node_labels: dict[str, tuple[float, dict[str, str]]] = {}
         self._node_failures: dict[str, float] = {}
         # Called before every write; raises when this process may not write (leadership.py).
         self._write_fence = write_fence or (lambda: None)
+        self.cache = cache
+        self._clock = clock
+        self._node_facts: tuple[float, frozenset[str]] | None = None
 
     @classmethod
-    def from_environment(cls, write_fence: Callable[[], None] | None = None) -> Kube:
+    def from_environment(
+        cls, write_fence: Callable[[], None] | None = None, cache: ClusterCache | None = None
+    ) -> Kube:
         # In-cluster service account, else KUBECONFIG / ~/.kube/config.
-        return cls(AsyncClient(field_manager=FIELD_MANAGER), write_fence)
+        return cls(AsyncClient(field_manager=FIELD_MANAGER), write_fence, cache)
+
+    @property
+    def _cached(self) -> ClusterCache | None:
+        return self.cache if self.cache is not None and self.cache.synced else None
 
     async def close(self) -> None:
         await self.client.close()
 
     async def apply(self, child: dict[str, Any]) -> None:
+        # The rendered dict goes out as it is: no round trip through lightkube's models.
+        meta = child["metadata"]
         self._write_fence()
-        await self.client.apply(codecs.from_dict(child), field_manager=FIELD_MANAGER, force=True)
+        await self.client.patch(
+            _resource(child["apiVersion"], child["kind"]),
+            meta["name"],
+            child,
+            namespace=meta.get("namespace"),
+            patch_type=PatchType.APPLY,
+            field_manager=FIELD_MANAGER,
+            force=True,
+        )
+
+    def applied_digest(self, namespace: str, kind: str, name: str) -> str | None:
+        """The rendering digest the live child carries (cache.APPLIED_DIGEST); None when unknown."""
+        cached = self._cached
+        return cached.applied_digest(namespace, kind, name) if cached is not None else None
 
     async def apply_shared(self, child: dict[str, Any], owner_uid: str) -> None:
         """Apply an object several LLMDeployments share (a model cache) under this owner's own field
-        manager, so each keeps its own owner reference and none removes another's."""
+        manager, so each keeps its own owner reference and none removes another's. The answer goes
+        into the cache at once: the next look at the Job must not find it missing and apply it again."""
+        meta = child["metadata"]
         self._write_fence()
-        await self.client.apply(
-            codecs.from_dict(child), field_manager=shared_field_manager(owner_uid), force=True
+        answer = await self.client.patch(
+            _resource(child["apiVersion"], child["kind"]),
+            meta["name"],
+            child,
+            namespace=meta.get("namespace"),
+            patch_type=PatchType.APPLY,
+            field_manager=shared_field_manager(owner_uid),
+            force=True,
         )
+        if self.cache is not None:
+            self.cache.put(_as_dict(answer))
 
     async def release_shared(self, namespace: str, owner_uid: str, keep: set[tuple[str, str]]) -> list[str]:
         """Drop this owner's reference from shared objects it no longer renders; delete the ones it
         was the last owner of (a `Retain` cache claim has no owners and is never touched)."""
         released = []
         for kind in (Job, PersistentVolumeClaim):
-            async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels()):
-                meta = obj.metadata
-                if (meta.labels or {}).get(COMPONENT_LABEL) not in SHARED_COMPONENTS:
+            for meta in await self._shared_metadata(kind, namespace):
+                if (meta.get("labels") or {}).get(COMPONENT_LABEL) not in SHARED_COMPONENTS:
                     continue
-                refs = meta.ownerReferences or []
-                mine = [i for i, ref in enumerate(refs) if ref.uid == owner_uid]
-                if not mine or (kind.__name__, meta.name) in keep:
+                refs = meta.get("ownerReferences") or []
+                mine = [i for i, ref in enumerate(refs) if ref.get("uid") == owner_uid]
+                if not mine or (kind.__name__, meta["name"]) in keep:
                     continue
                 self._write_fence()
                 if len(mine) == len(refs):
-                    await self._delete_gone_ok(kind, meta.name, namespace)
+                    await self._delete_gone_ok(kind, meta["name"], namespace)
                 else:
                     ops: list[dict[str, Any]] = []
                     for index in reversed(mine):
@@ -118,18 +182,30 @@ class Kube:
                             {"op": "remove", "path": path},
                         ]
                     await self.client.patch(
-                        kind, meta.name, ops, namespace=namespace, patch_type=PatchType.JSON
+                        kind, meta["name"], ops, namespace=namespace, patch_type=PatchType.JSON
                     )
-                released.append(f"{kind.__name__}/{meta.name}")
+                released.append(f"{kind.__name__}/{meta['name']}")
         return released
+
+    async def _shared_metadata(self, kind: Any, namespace: str) -> list[dict[str, Any]]:
+        """The metadata of the operator's `kind` objects in `namespace` (Jobs, claims)."""
+        cached = self._cached
+        if cached is not None:
+            return [obj["metadata"] for obj in cached.shared(namespace, kind.__name__)]
+        return [
+            _as_dict(obj)["metadata"]
+            async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels())
+        ]
 
     async def _delete_gone_ok(self, kind: Any, name: str, namespace: str) -> None:
         try:
             # Jobs orphan their pods unless told otherwise.
             await self.client.delete(kind, name, namespace=namespace, cascade=CascadeType.BACKGROUND)
         except ApiError as error:
-            if error.status.code != 404:
+            if _code(error) != 404:
                 raise
+        if self.cache is not None:
+            self.cache.remove(kind.__name__, namespace, name)
 
     async def delete_job(self, namespace: str, name: str) -> None:
         self._write_fence()
@@ -138,16 +214,23 @@ class Kube:
     async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView:
         """A Job, its pods, and (with `log_container`) the tail of its running pod's log. An
         unreadable log is no error: progress figures just wait for the next read."""
-        try:
-            job: dict[str, Any] | None = _as_dict(await self.client.get(Job, name, namespace=namespace))
-        except ApiError as error:
-            if error.status.code != 404:
-                raise
-            job = None
-        pods = [
-            _as_dict(p)
-            async for p in self.client.list(Pod, namespace=namespace, labels={JOB_NAME_LABEL: name})
-        ]
+        job: dict[str, Any] | None
+        pods: list[dict[str, Any]]
+        cached = self._cached
+        if cached is not None:
+            job = cached.shared_object(namespace, "Job", name)
+            pods = cached.job_pods(namespace, name)
+        else:
+            try:
+                job = _as_dict(await self.client.get(Job, name, namespace=namespace))
+            except ApiError as error:
+                if _code(error) != 404:
+                    raise
+                job = None
+            pods = [
+                _as_dict(p)
+                async for p in self.client.list(Pod, namespace=namespace, labels={JOB_NAME_LABEL: name})
+            ]
         lines: list[str] = []
         running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
         if log_container and running:
@@ -168,16 +251,31 @@ class Kube:
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]:
         """Delete pool children this deployment owns that the current render no longer has."""
+        cached = self._cached
+        if cached is not None:
+            candidates = [
+                (obj["kind"], obj["metadata"])
+                for obj in cached.children(namespace, instance, _PRUNABLE_KINDS)
+            ]
+        else:
+            candidates = []
+            for kind in _PRUNABLE:
+                async for obj in self._list_if_served(kind, namespace, owned_labels(instance)):
+                    candidates.append((kind.__name__, _as_dict(obj)["metadata"]))
         deleted = []
-        for kind in _PRUNABLE:
-            async for obj in self._list_if_served(kind, namespace, owned_labels(instance)):
-                meta = obj.metadata
-                owners = [ref.uid for ref in (meta.ownerReferences or []) if ref.controller]
-                if (kind.__name__, meta.name) in keep or owner_uid not in owners:
-                    continue
-                self._write_fence()
-                await self.client.delete(kind, meta.name, namespace=namespace)
-                deleted.append(f"{kind.__name__}/{meta.name}")
+        for kind_name, meta in candidates:
+            owners = [ref.get("uid") for ref in (meta.get("ownerReferences") or []) if ref.get("controller")]
+            if (kind_name, meta["name"]) in keep or owner_uid not in owners:
+                continue
+            self._write_fence()
+            try:
+                await self.client.delete(_resource_by_kind(kind_name), meta["name"], namespace=namespace)
+            except ApiError as error:
+                if _code(error) != 404:
+                    raise
+            if self.cache is not None:
+                self.cache.remove(kind_name, namespace, meta["name"])
+            deleted.append(f"{kind_name}/{meta['name']}")
         return deleted
 
     async def _list_if_served(self, kind: Any, namespace: str, labels: dict[str, str]) -> AsyncIterator[Any]:
@@ -202,19 +300,30 @@ class Kube:
 
     async def advertised_resources(self) -> frozenset[str]:
         """Extended resources with a non-zero allocatable quantity on at least one node."""
+        now = self._clock()
+        if self._node_facts is not None and now - self._node_facts[0] < NODE_FACTS_TTL_S:
+            return self._node_facts[1]
         names: set[str] = set()
         async for node in self.client.list(Node):
             allocatable = (node.status.allocatable if node.status else None) or {}
             names.update(name for name, quantity in allocatable.items() if str(quantity) not in ("0", ""))
-        return frozenset(names)
+        self._node_facts = (now, frozenset(names))
+        return self._node_facts[1]
 
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.cache is not None:
+            cached = self.cache.deployment(namespace, name)
+            if cached is not None:
+                return cached
         try:
-            return _as_dict(await self.client.get(LLMDeploymentResource, name, namespace=namespace))
+            live = _as_dict(await self.client.get(LLMDeploymentResource, name, namespace=namespace))
         except ApiError as error:
-            if error.status.code == 404:
+            if _code(error) == 404:
                 return None
             raise
+        if self.cache is not None:
+            self.cache.put(live)
+        return live
 
     async def create_event(self, event: dict[str, Any]) -> None:
         """Create a core/v1 Event (see events.py for why the operator posts its own)."""
@@ -223,13 +332,18 @@ class Kube:
 
     async def delete_pod(self, namespace: str, name: str) -> None:
         """Delete one pod (its StatefulSet recreates it): the output-failure remediation. Gone is fine."""
+        self._write_fence()
         try:
             await self.client.delete(Pod, name, namespace=namespace)
         except ApiError as error:
-            if error.status.code != 404:
+            if _code(error) != 404:
                 raise
 
     async def observe(self, namespace: str, instance: str) -> Observed:
+        cached = self._cached
+        if cached is not None:
+            observed = cached.observed(namespace, instance)
+            return replace(observed, node_labels=await self.node_labels(_worker_nodes(observed.pods)))
         labels = owned_labels(instance)
         statefulsets: dict[str, dict[str, Any]] = {}
         async for sts in self.client.list(StatefulSet, namespace=namespace, labels=labels):
@@ -245,16 +359,11 @@ class Kube:
         async for deployment in self.client.list(Deployment, namespace=namespace, labels=labels):
             router = _as_dict(deployment)
         pods = [_as_dict(p) async for p in self.client.list(Pod, namespace=namespace, labels=labels)]
-        nodes = {
-            str(p["spec"]["nodeName"])
-            for p in pods
-            if pod_component(p) in WORKER_COMPONENTS and (p.get("spec") or {}).get("nodeName")
-        }
         return Observed(
             statefulsets=statefulsets,
             router=router,
             pods=pods,
-            node_labels=await self.node_labels(nodes),
+            node_labels=await self.node_labels(_worker_nodes(pods)),
             leader_worker_sets=groups,
         )
 
@@ -296,10 +405,30 @@ class Kube:
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
         self._write_fence()
-        await self.client.patch(
-            LLMDeploymentResource.Status,
-            name,
-            body,
-            namespace=namespace,
-            patch_type=PatchType.MERGE,
-        )
+        try:
+            answer = await self.client.patch(
+                LLMDeploymentResource.Status,
+                name,
+                body,
+                namespace=namespace,
+                patch_type=PatchType.MERGE,
+            )
+        except ApiError as error:
+            if self.cache is not None and _code(error) in (404, 409):
+                # What the cache holds is not what the apiserver has: read it afresh next time.
+                self.cache.forget_deployment(namespace, name)
+            raise
+        if self.cache is not None:
+            self.cache.record(_as_dict(answer))
+
+
+def _worker_nodes(pods: list[dict[str, Any]]) -> set[str]:
+    return {
+        str(p["spec"]["nodeName"])
+        for p in pods
+        if pod_component(p) in WORKER_COMPONENTS and (p.get("spec") or {}).get("nodeName")
+    }
+
+
+def _resource_by_kind(kind: str) -> Any:
+    return next(k for k in _PRUNABLE if k.__name__ == kind)

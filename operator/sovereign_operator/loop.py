@@ -61,8 +61,12 @@ class OperatorLoop:
         forget_also: Callable[[str, str], None] | None = None,
         tick_s: float = TICK_SECONDS,
         logger: logging.Logger | None = None,
+        ready: Callable[[], bool] = lambda: True,
     ) -> None:
         self.served = served
+        # False until the watch cache holds every object: rounds before that would read the
+        # apiserver for every deployment (and see children still being listed as missing).
+        self.ready = ready
         self.autoscaler = autoscaler
         self.kv_monitor = kv_monitor
         self.output_monitor = output_monitor
@@ -100,6 +104,8 @@ class OperatorLoop:
     def tick(self) -> None:
         """Start a round for every served LLMDeployment whose previous round has finished; forget
         the ones no longer served."""
+        if not self.ready():
+            return
         present: set[Key] = set()
         indexed: set[Key] = set()
         for body in list(self.served()):

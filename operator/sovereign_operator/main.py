@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import kopf
 from lightkube import Client
 
-# Importing the module registers the kopf handlers (and the index that feeds the periodic loop).
+# Importing the module registers kopf's startup and cleanup (the informers, queues and the loop).
 from sovereign_operator import handlers, metrics
 from sovereign_operator.kube import FIELD_MANAGER
 from sovereign_operator.leadership import LeaderElector, LeaseTiming, NotLeader, default_identity
@@ -39,8 +39,9 @@ def run_operator(
     # kopf installs its own log format; a second handler would print every line twice.
     kopf.configure(verbose=verbose)
     if not verbose:
-        # lightkube's HTTP client logs every request at INFO; keep the log about decisions.
-        for name in ("httpx", "httpx2"):
+        # lightkube's HTTP client logs every request at INFO, kopf every handler call ("Handler
+        # ... succeeded", thousands a minute at fleet scale); keep the log about decisions.
+        for name in ("httpx", "httpx2", "kopf.objects"):
             logging.getLogger(name).setLevel(logging.WARNING)
     if leader_election is None:
         handlers.STATE.health_port = health_port
@@ -83,8 +84,9 @@ def run_operator(
 
 
 def _run_kopf(namespaces: list[str] | None) -> int:
+    # kopf runs the startup and cleanup handlers; the informers watch these namespaces (handlers.py).
+    handlers.STATE.namespaces = tuple(namespaces or ())
     try:
-        # The loop serves what kopf indexes, so these namespaces are the loop's too.
         kopf.run(
             standalone=True,
             clusterwide=not namespaces,

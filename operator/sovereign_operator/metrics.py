@@ -71,3 +71,16 @@ async def start_server(host: str, port: int) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
+
+
+QUEUE_DEPTH = Gauge(
+    "sovereign_operator_queue_depth",
+    "Deployments waiting in or being processed by a work queue (reconcile, status).",
+    ["queue"],
+    registry=REGISTRY,
+)
+CACHE_SYNCED = Gauge(
+    "sovereign_operator_cache_synced",
+    "1 once kopf has listed every watched kind into the watch cache, else 0.",
+    registry=REGISTRY,
+)

@@ -1,8 +1,11 @@
 """Reconciling one LLMDeployment: render, apply, prune, and keep `status` true.
 
-Free of kopf so tests drive it with a fake `Kube`; handlers.py adapts it to kopf (events,
-retries). Steady state makes zero writes: children are applied only when their rendering
-changed (or one was deleted), and status only when what it says changed.
+Free of kopf so tests drive it with a fake `Kube`; handlers.py feeds it from kopf's watches
+through work queues (`sync` is the queue's entry, with its retries). Steady state makes zero
+writes: children are applied only when their rendering changed (or one was deleted), and status
+only when what it says changed. Every applied child carries the digest of its rendering
+(cache.APPLIED_DIGEST), so a restarted operator that finds every child as it would render it
+writes nothing either.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -20,7 +24,8 @@ from sovereign_operator import metrics
 from sovereign_operator.api.document import InvalidDeployment, check_name, parse_spec
 from sovereign_operator.api.spec import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus, StartupBudget
-from sovereign_operator.gone import gone_error, is_gone
+from sovereign_operator.cache import APPLIED_DIGEST
+from sovereign_operator.gone import DeploymentGone, gone_error, is_gone
 from sovereign_operator.modeldownload import JobView, assess, facts_from_status
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.podstatus import LifeMemory
@@ -39,6 +44,7 @@ class KubeApi(Protocol):
     ) -> list[str]: ...
     async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView: ...
     async def delete_job(self, namespace: str, name: str) -> None: ...
+    def applied_digest(self, namespace: str, kind: str, name: str) -> str | None: ...
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]: ...
@@ -54,6 +60,9 @@ class KubeApi(Protocol):
 STATUS_CONFLICT_RETRIES = 3
 # While a multi-node pool waits for LeaderWorkerSet to be installed, look again this often.
 LWS_RETRY_SECONDS = 60.0
+# Failed attempts in a row after which a transient apply failure is reported (status, Event).
+REPORT_TRANSIENT_AFTER = 2
+log = logging.getLogger(__name__)
 
 
 class RetryLater(Exception):
@@ -135,12 +144,28 @@ def apply_problem(code: int | None, child: str, message: str) -> tuple[Problem |
     return None, True
 
 
+def _child_key(ref: DeploymentRef, child: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    return (ref.namespace, ref.name, child["kind"], child["metadata"]["name"])
+
+
 def _child_ref(child: Mapping[str, Any]) -> str:
     return f"{child.get('kind')}/{(child.get('metadata') or {}).get('name')}"
 
 
 def _digest(children: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
+
+
+def with_applied_digest(child: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The child as applied: its rendering's digest in an annotation (metadata only, so a
+    StatefulSet's pods do not roll), and the digest."""
+    digest = _digest([child])[:32]
+    meta = child["metadata"]
+    annotated = {
+        **child,
+        "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), APPLIED_DIGEST: digest}},
+    }
+    return annotated, digest
 
 
 class Reconciler:
@@ -176,6 +201,8 @@ class Reconciler:
         # Deployments whose status refresh found an overrun of the learned startup budget in force:
         # reconciled again at once (the overrunning pod keeps its probe until it is recreated).
         self._budget_overrun: dict[tuple[str, str], Mapping[str, Any]] = {}
+        # Failed attempts in a row per deployment (the backoff of `sync`).
+        self._retries: dict[tuple[str, str], int] = {}
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -186,11 +213,55 @@ class Reconciler:
         self.outcomes.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
         self._budget_overrun.pop((namespace, name), None)
+        self._retries.pop((namespace, name), None)
         for key in [k for k in self._applied if k[:2] == (namespace, name)]:
             del self._applied[key]
 
-    async def reconcile(self, body: Mapping[str, Any], retry: int = 0, force: bool = False) -> Outcome:
-        """Render and apply one LLMDeployment, then refresh its status.
+    def wants(self, body: Mapping[str, Any]) -> bool:
+        """Whether a watch event of this LLMDeployment calls for a reconcile: a spec generation this
+        process has not reconciled yet (a new object, a spec change, the first sight after a
+        restart). Status writes, the operator's own included, do not."""
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            return False
+        key = (meta["namespace"], meta["name"])
+        outcome = self.outcomes.get(key)
+        return (
+            outcome is None or outcome.generation != int(meta.get("generation") or 1) or key in self._retries
+        )
+
+    def child_deleted(self, namespace: str, deployment: str, kind: str, name: str) -> None:
+        """A child of `deployment` is gone (deleted by someone, or not found after a relist): the
+        next reconcile applies it again."""
+        self._applied.pop((namespace, deployment, kind, name), None)
+
+    async def sync(self, namespace: str, name: str) -> float | None:
+        """The work queue's entry: reconcile the deployment as the watch cache has it now, without
+        the status refresh (the status queue does that). Returns the delay after which to try
+        again, or None when done."""
+        key = (namespace, name)
+        body = await self.kube.get_deployment(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(namespace, name)
+            return None
+        try:
+            await self.reconcile(body, retry=self._retries.get(key, 0), refresh=False)
+        except DeploymentGone:
+            return None  # deleted meanwhile: reconcile forgot it
+        except RetryLater as error:
+            self._retries[key] = self._retries.get(key, 0) + 1
+            log.warning(
+                "%s/%s: %s in %.0f s (attempt %d)", namespace, name, error, error.delay, self._retries[key]
+            )
+            return error.delay
+        self._retries.pop(key, None)
+        return None
+
+    async def reconcile(
+        self, body: Mapping[str, Any], retry: int = 0, force: bool = False, refresh: bool = True
+    ) -> Outcome:
+        """Render and apply one LLMDeployment, then refresh its status (unless `refresh` is False:
+        the caller has that done).
 
         Raises RetryLater for transient failures and DeploymentGone when the object no longer exists;
         an unrealisable spec becomes a Degraded status and a reported problem, not an exception, so
@@ -203,12 +274,15 @@ class Reconciler:
             try:
                 outcome = await self._reconcile_locked(body, key, retry, force)
             except RetryLater:
-                # Still say what is wrong (e.g. Forbidden) before kopf retries.
-                with contextlib.suppress(Exception):
-                    await self._refresh_locked(key)
+                # Still say what is wrong (e.g. Forbidden) before the retry.
+                if refresh:
+                    with contextlib.suppress(Exception):
+                        await self._refresh_locked(key)
                 raise
             finally:
                 metrics.DURATION.observe(time.monotonic() - started)
+            if not refresh:
+                return outcome  # the status queue refreshes, and answers an overrun it finds
             await self._refresh_locked(key)
             return await self._answer_overrun_locked(key, outcome)
 
@@ -296,27 +370,40 @@ class Reconciler:
                 ref, spec, facts, overrides, decided, self.defaults, model=model_facts, budget=budget
             )
         digest = _digest(rendered.children + rendered.shared + [sorted(rendered.keep_shared)])
+        children = [with_applied_digest(child) for child in rendered.children]
         previous = self.outcomes.get(key)
         if job_missing:
             # A Job this deployment applied is gone (deleted to retry, or its TTL): apply it again.
             for shared_key in [k for k in self._applied_shared if k[:3] == (ref.namespace, ref.name, "Job")]:
                 del self._applied_shared[shared_key]
-        elif not force and previous is not None and previous.digest == digest and previous.problem is None:
+        elif (
+            not force
+            and previous is not None
+            and previous.digest == digest
+            and previous.problem is None
+            and all(self._applied.get(_child_key(ref, c)) == d for c, d in children)
+        ):
             previous.model = model_status  # progress moves while the children stay the same
             metrics.RECONCILES.labels("unchanged").inc()
             return previous
 
         writing = "the children"
+        written = 0
         try:
             async with self._apply_slots:
-                for child in rendered.children:
+                for child, child_digest in children:
                     writing = _child_ref(child)
-                    child_key = (ref.namespace, ref.name, child["kind"], child["metadata"]["name"])
-                    child_digest = _digest([child])
-                    if not force and self._applied.get(child_key) == child_digest:
+                    child_key = _child_key(ref, child)
+                    if not force and child_digest in (
+                        self._applied.get(child_key),
+                        # Live, as last applied: after a restart, or applied by an earlier attempt.
+                        self.kube.applied_digest(ref.namespace, child["kind"], child["metadata"]["name"]),
+                    ):
+                        self._applied[child_key] = child_digest
                         continue
                     self._applied.pop(child_key, None)
                     await self.kube.apply(child)
+                    written += 1
                     self._applied[child_key] = child_digest
                     metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
                 for child in rendered.shared:
@@ -331,7 +418,7 @@ class Reconciler:
                     metrics.CHILDREN_APPLIED.labels(child["kind"]).inc()
                 writing = "children of an earlier mode (prune)"
                 keep = {(c["kind"], c["metadata"]["name"]) for c in rendered.children}
-                await self.kube.prune(ref.namespace, ref.name, ref.uid, keep)
+                written += len(await self.kube.prune(ref.namespace, ref.name, ref.uid, keep))
                 if rendered.shared or (status or {}).get("model"):
                     # A huggingFace source now or before: drop the caches it stopped using.
                     writing = "model caches no longer used (release)"
@@ -339,11 +426,20 @@ class Reconciler:
                     released = await self.kube.release_shared(
                         ref.namespace, ref.uid, in_use | set(rendered.keep_shared)
                     )
+                    written += len(released)
                     for gone in released:
                         kind, _, name = gone.partition("/")
                         self._applied_shared.pop((ref.namespace, ref.name, kind, name), None)
         except Exception as error:
-            problem, retryable = apply_problem(_api_error_code(error), writing, _api_error_message(error))
+            message = _api_error_message(error)
+            problem, retryable = apply_problem(_api_error_code(error), writing, message)
+            if problem is None and retry >= REPORT_TRANSIENT_AFTER:
+                # Transient by its status code, yet it keeps failing (a full Service IP range answers
+                # 500 every time): a person must see it, not only the retries.
+                problem = Problem(
+                    "ApplyFailing",
+                    f"applying {writing} failed {retry + 1} times in a row: {message}; retrying",
+                )
             if problem is not None:
                 # Named in status and an Event; other deployments keep reconciling meanwhile.
                 self.report_problem(body, problem)
@@ -353,7 +449,7 @@ class Reconciler:
                 return self.outcomes[key]
             raise self._classify(error, f"applying {writing}", retry) from error
 
-        metrics.RECONCILES.labels("applied").inc()
+        metrics.RECONCILES.labels("applied" if written else "unchanged").inc()
         outcome = Outcome(generation, rendered, None, digest, model_status)
         self.outcomes[key] = outcome
         return outcome

@@ -1,7 +1,8 @@
 """Watching pods start: the phase each starting runtime reports, so that a restart by its startup probe
 can name the phase it cut short; Events for such restarts and for OOM kills.
 
-Fed by the operator's pod watch (kopf's events, handlers.py), so it lists nothing itself. Each loop
+Fed by the operator's pod watch (the pod informer, handlers.py), so it lists nothing itself; with
+`pods_of` it reads the pods from the watch cache instead of keeping copies. Each loop
 tick it reads `/health/startup` of the worker pods whose runtime container runs but has not started
 (none in steady state, so then it makes no request and writes nothing), remembers per container life
 (podstatus.py) the last report and whether the life started, and asks for a status refresh when what
@@ -81,6 +82,7 @@ class StartupMonitor:
         pod_url: Callable[[Mapping[str, Any]], str | None] = default_startup_url,
         clock: Callable[[], float] = time.time,
         timeout_s: float = 2.0,
+        pods_of: Callable[[str, str], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.http = http
         self.post_event = post_event
@@ -88,6 +90,8 @@ class StartupMonitor:
         self.pod_url = pod_url
         self.clock = clock
         self.timeout_s = timeout_s
+        # The pods of a deployment, from the watch cache; without it, copies kept from pod events.
+        self.pods_of = pods_of
         self._pods: dict[Key, dict[str, dict[str, Any]]] = {}
         self._lives: dict[Key, dict[str, LifeMemory]] = {}
         self._reported: dict[Key, set[str]] = {}
@@ -111,7 +115,8 @@ class StartupMonitor:
                 if not pods:
                     del self._pods[key]
         else:
-            self._pods.setdefault(key, {})[meta["name"]] = dict(pod)
+            if self.pods_of is None:
+                self._pods.setdefault(key, {})[meta["name"]] = dict(pod)
             lives = self._lives.setdefault(key, {})
             for status in container_statuses(pod):
                 life = current_life(pod, status)
@@ -121,6 +126,11 @@ class StartupMonitor:
                 if status.get("started") is True and not memory.started:
                     memory = LifeMemory(memory.last_report, started=True)
                 lives[life] = memory
+
+    def _pods_now(self, key: Key) -> list[dict[str, Any]]:
+        if self.pods_of is not None:
+            return self.pods_of(*key)
+        return list((self._pods.get(key) or {}).values())
 
     def lives(self, namespace: str, name: str) -> dict[str, LifeMemory]:
         """What the reconciler's status reads (Observed.lives)."""
@@ -135,7 +145,7 @@ class StartupMonitor:
     def starting(self, namespace: str, name: str) -> list[tuple[dict[str, Any], str]]:
         """(pod, life) of worker runtimes that run and have not started."""
         out = []
-        for pod in (self._pods.get((namespace, name)) or {}).values():
+        for pod in self._pods_now((namespace, name)):
             if pod_component(pod) not in WORKER_COMPONENTS or pod["metadata"].get("deletionTimestamp"):
                 continue
             for status in container_statuses(pod):
@@ -163,7 +173,7 @@ class StartupMonitor:
             changed |= before.last_report is None or before.last_report.phase != report.phase
             lives[life] = LifeMemory(report, started=before.started or report.phase == "ready")
 
-        pods = list((self._pods.get(key) or {}).values())
+        pods = self._pods_now(key)
         self._report_ended_lives(key, body, pods, lives)
 
         overdue = frozenset(p.pod for p in readiness_failing(pods, self.clock()))

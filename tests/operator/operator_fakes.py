@@ -6,6 +6,7 @@ import copy
 import json
 from typing import Any
 
+from sovereign_operator.cache import APPLIED_DIGEST
 from sovereign_operator.modeldownload import JobView
 from sovereign_operator.observe import Observed
 
@@ -84,6 +85,11 @@ class FakeKube:
         self.deleted_jobs.append(name)
         self.jobs.pop(name, None)
         self.shared.pop(("Job", name), None)
+
+    def applied_digest(self, namespace: str, kind: str, name: str) -> str | None:
+        child = self.children.get((kind, name))
+        annotations = (child or {}).get("metadata", {}).get("annotations") or {}
+        return annotations.get(APPLIED_DIGEST)
 
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]

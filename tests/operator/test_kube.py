@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 from lightkube import AsyncClient, KubeConfig
+from sovereign_operator.cache import ClusterCache
 from sovereign_operator.kube import Kube
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -54,6 +55,7 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 async def _with_fake_apiserver(
     scenario: Callable[[Kube, list[dict[str, Any]]], Awaitable[None]],
     pods: list[dict[str, Any]] | None = None,
+    cache: ClusterCache | None = None,
 ) -> None:
     requests: list[dict[str, Any]] = []
 
@@ -73,9 +75,24 @@ async def _with_fake_apiserver(
             "application/apply-patch"
         ):
             return _json(json.loads(body))
+        if request.method == "PATCH" and path.endswith("/conflict/status"):
+            status = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "reason": "Conflict",
+                "code": 409,
+            }
+            return _json(status, status=409)
         if request.method == "PATCH" and path.endswith("/status"):
+            patch = json.loads(body)
             return _json(
-                {"apiVersion": "sovereign.ai/v1alpha1", "kind": "LLMDeployment", "metadata": {"name": "llm"}}
+                {
+                    "apiVersion": "sovereign.ai/v1alpha1",
+                    "kind": "LLMDeployment",
+                    "metadata": {"name": "llm", "namespace": "ns", "resourceVersion": "43"},
+                    "status": patch["status"],
+                }
             )
         if path == "/api/v1/nodes":
             nodes = [
@@ -127,7 +144,7 @@ async def _with_fake_apiserver(
             "current-context": "fake",
         }
     )
-    kube = Kube(AsyncClient(config=config, field_manager="sovereign-operator", trust_env=False))
+    kube = Kube(AsyncClient(config=config, field_manager="sovereign-operator", trust_env=False), cache=cache)
     try:
         await scenario(kube, requests)
     finally:
@@ -216,3 +233,110 @@ def test_status_is_a_merge_patch_on_the_subresource_with_a_precondition() -> Non
         }
 
     asyncio.run(_with_fake_apiserver(scenario))
+
+
+def _synced_cache() -> ClusterCache:
+    cache = ClusterCache()
+    labels = {"app.kubernetes.io/instance": "llm", "app.kubernetes.io/managed-by": "sovereign-operator"}
+    sts = json.loads(json.dumps(STATEFULSET))
+    sts["metadata"]["labels"] = {**labels, "app.kubernetes.io/component": "unified"}
+    cache.put(sts)
+    cache.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "llm-unified-0", "namespace": "ns", "labels": labels},
+        }
+    )
+    cache.put(
+        {
+            "apiVersion": "sovereign.ai/v1alpha1",
+            "kind": "LLMDeployment",
+            "metadata": {"name": "llm", "namespace": "ns", "resourceVersion": "42"},
+            "status": {"mode": "unified"},
+        }
+    )
+    cache.synced = True
+    return cache
+
+
+def test_a_synced_cache_answers_reads_and_learns_from_the_operators_own_writes() -> None:
+    cache = _synced_cache()
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        observed = await kube.observe("ns", "llm")
+        assert observed.statefulsets["unified"]["status"]["readyReplicas"] == 1
+        assert [p["metadata"]["name"] for p in observed.pods] == ["llm-unified-0"]
+        assert (await kube.get_deployment("ns", "llm"))["status"] == {"mode": "unified"}  # type: ignore[index]
+        assert await kube.prune("ns", "llm", "u1", {("StatefulSet", "llm-unified")}) == []
+        assert requests == []
+        # Nodes are listed once for a burst of new deployments.
+        await kube.advertised_resources()
+        await kube.advertised_resources()
+        assert len(requests) == 1
+        await kube.patch_status("ns", "llm", {"mode": "disaggregated"}, resource_version="42")
+        assert (await kube.get_deployment("ns", "llm"))["metadata"]["resourceVersion"] == "43"  # type: ignore[index]
+        assert len(requests) == 2
+        # A refused write means the cache is behind: the next read goes to the apiserver.
+        cache.put(
+            {
+                "apiVersion": "sovereign.ai/v1alpha1",
+                "kind": "LLMDeployment",
+                "metadata": {"name": "conflict", "namespace": "ns", "resourceVersion": "1"},
+            }
+        )
+        try:
+            await kube.patch_status("ns", "conflict", {"mode": "unified"}, resource_version="1")
+        except Exception as error:
+            assert getattr(error.status, "code", None) == 409  # type: ignore[attr-defined]
+        assert await kube.get_deployment("ns", "conflict") is None  # the fake answers 404
+        assert [r["method"] for r in requests[2:]] == ["PATCH", "GET"]
+        # A child pruned from the cache's view is deleted on the apiserver and from the cache.
+        assert await kube.prune("ns", "llm", "u1", set()) == ["StatefulSet/llm-unified"]
+        assert "unified" not in (await kube.observe("ns", "llm")).statefulsets
+
+    asyncio.run(_with_fake_apiserver(scenario, cache=cache))
+
+
+def test_a_synced_cache_answers_the_model_downloads_reads() -> None:
+    """The download's Job, its pods and the shared claims come from the cache (no LIST, no GET);
+    a Job deleted to run again leaves the cache at once."""
+    cache = _synced_cache()
+    shared = {
+        "app.kubernetes.io/managed-by": "sovereign-operator",
+        "app.kubernetes.io/component": "model-download",
+    }
+    cache.put(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "dl", "namespace": "ns", "labels": shared, "resourceVersion": "3"},
+            "status": {"active": 1},
+        }
+    )
+    cache.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "dl-x",
+                "namespace": "ns",
+                "labels": {**shared, "batch.kubernetes.io/job-name": "dl"},
+                "resourceVersion": "4",
+            },
+            "status": {"phase": "Pending"},
+        }
+    )
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        view = await kube.observe_job("ns", "dl", "download")
+        assert view.job is not None and view.job["status"] == {"active": 1}
+        assert [p["metadata"]["name"] for p in view.pods] == ["dl-x"]
+        assert (await kube.observe_job("ns", "other", None)).job is None
+        assert await kube.release_shared("ns", "u1", set()) == []  # no reference of u1's
+        assert requests == []
+        await kube.delete_job("ns", "dl")
+        assert [r["method"] for r in requests] == ["DELETE"]
+        assert (await kube.observe_job("ns", "dl", None)).job is None
+
+    asyncio.run(_with_fake_apiserver(scenario, cache=cache))

@@ -15,6 +15,7 @@ from operator_fakes import FakeKube, body_for
 from operator_specs import TINY_SPEC
 from sovereign_operator import handlers, metrics
 from sovereign_operator.autoscale.controller import AutoscaleController
+from sovereign_operator.cache import ClusterCache
 from sovereign_operator.downloadmonitor import DownloadMonitor
 from sovereign_operator.gone import DeploymentGone
 from sovereign_operator.kvmonitor import KVHealthMonitor
@@ -23,28 +24,25 @@ from sovereign_operator.observe import Observed, Problem
 from sovereign_operator.vocabulary import KV_TRANSFER_HEALTHY
 
 
-def test_the_loop_is_fed_by_a_kopf_index_not_a_timer_so_objects_get_no_finalizer() -> None:
+def test_no_timer_daemon_or_index_so_objects_get_no_finalizer_and_nothing_waits_on_kopf() -> None:
     registry = kopf.get_default_registry()
     # No timers or daemons: kopf would put a finalizer on every LLMDeployment for them.
     assert not registry._spawning.get_all_handlers()
     assert not [h for h in registry._changing.get_all_handlers() if h.requires_finalizer]
-    indexing = registry._indexing.get_all_handlers()
-    assert [h.fn for h in indexing] == [handlers.index_deployment]
-    assert indexing[0].id == "llmdeployments"  # the keyword the startup handler takes it by
+    # No index: kopf holds every handler back until its index listings are done, at a cost
+    # quadratic in the objects listed; the loop serves the watch cache instead.
+    assert not registry._indexing.get_all_handlers()
     activities = {h.fn for h in registry._activities.get_all_handlers()}
     assert {handlers.configure, handlers.shutdown} <= activities
-    body = kopf.Body({"metadata": {"name": "a", "namespace": "n"}, "spec": {"mode": "auto"}, "status": {}})
-    assert handlers.index_deployment(namespace="n", name="a", body=body) == {
-        ("n", "a"): {"metadata": {"name": "a", "namespace": "n"}, "spec": {"mode": "auto"}, "status": {}}
-    }
 
 
 def test_assemble_builds_every_part_on_one_client_and_posts_the_reconcilers_problems() -> None:
     kube = FakeKube(body_for(TINY_SPEC))
     saved = copy.copy(handlers.STATE)
     try:
-        index: dict[tuple[str, str], list[dict[str, Any]]] = {("ns", "llm"): [kube.body]}
-        events, loop = handlers.assemble(kube, index)  # type: ignore[arg-type]
+        handlers.STATE.cache = ClusterCache()
+        handlers.STATE.cache.put({"kind": "LLMDeployment", **kube.body})
+        events, loop = handlers.assemble(kube)  # type: ignore[arg-type]
         assert handlers.STATE.loop is loop and handlers.STATE.events is events
         assert handlers.STATE.reconciler is not None and handlers.STATE.reconciler.kube is kube
         assert loop.autoscaler.kube is kube and loop.kv_monitor.kube is kube
@@ -127,6 +125,30 @@ def test_rounds_are_isolated_skip_objects_still_running_and_forget_the_unserved(
         loop.start()  # the periodic task; close stops it and every round in flight
         await loop.close()
         assert not loop.rounds
+
+    asyncio.run(scenario())
+
+
+def test_no_round_runs_before_the_watch_cache_holds_every_object() -> None:
+    ready = False
+    autoscaler, monitor = RecordingPart(), RecordingPart()
+    loop = OperatorLoop(lambda: [obj("a", "x")], autoscaler, monitor, ready=lambda: ready)  # type: ignore[arg-type]
+    seen: list[str] = []
+
+    async def fake_round(namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        seen.append(name)
+
+    loop.round = fake_round  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        nonlocal ready
+        loop.tick()
+        await asyncio.sleep(0)
+        assert seen == [] and not loop.rounds
+        ready = True
+        loop.tick()
+        await asyncio.sleep(0)
+        assert seen == ["x"]
 
     asyncio.run(scenario())
 

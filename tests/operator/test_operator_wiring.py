@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import aiohttp
 import kopf
@@ -34,74 +35,122 @@ def test_metrics_and_health_endpoints_serve() -> None:
     asyncio.run(scenario())
 
 
-def test_handlers_cover_the_lifecycle_without_a_delete_handler() -> None:
-    from sovereign_operator import handlers
+def test_kopf_serves_no_resource_so_it_leaves_no_bookkeeping_on_them() -> None:
+    import sovereign_operator.handlers  # noqa: F401  (registers kopf's handlers)
 
     registry = kopf.get_default_registry()
-    changing = registry._changing.get_all_handlers()
-    watching = registry._watching.get_all_handlers()
-    ours = [h for h in changing if h.fn is handlers.apply_deployment]
-    reasons = {str(getattr(h.reason, "value", h.reason)) for h in ours}
-    assert {"create", "update"} <= reasons
-    assert any(h.initial for h in ours), "resume: existing objects are reconciled at start"
-    # No delete handler: kopf adds no finalizer, owner references clean up.
-    assert not [h for h in changing if str(getattr(h.reason, "value", h.reason)) == "delete"]
-    watched = {h.fn for h in watching}
-    assert {
-        handlers.statefulset_event,
-        handlers.leader_worker_set_event,
-        handlers.deployment_event,
-        handlers.pod_event,
-    } <= watched
+    # No create/update/resume/delete handler: kopf writes no annotations and no finalizer; no
+    # watching or index handler: the informers watch everything.
+    assert not registry._changing.get_all_handlers()
+    assert not registry._indexing.get_all_handlers()
+    assert not registry._watching.get_all_handlers()
+    assert registry._activities.get_all_handlers()  # startup and cleanup
 
 
-def test_a_deleted_child_is_put_back_and_pod_events_only_refresh_status() -> None:
-    import logging
+def test_informers_watch_each_named_namespace_or_every_namespace_for_globs() -> None:
+    from types import SimpleNamespace
 
+    from sovereign_operator import handlers
+    from sovereign_operator.cache import CHILD_KINDS, DEPLOYMENT_KIND, ClusterCache
+
+    kube = SimpleNamespace(client=None)
+    named = handlers.informers(kube, ClusterCache(), ("team-a", "team-b"))  # type: ignore[arg-type]
+    assert len(named) == 2 * (1 + len(CHILD_KINDS))
+    assert {i.namespace for i in named} == {"team-a", "team-b"}
+    deployments = [i for i in named if i.kind is DEPLOYMENT_KIND]
+    # LLMDeployments carry no label of the operator's; its children do.
+    assert [i.labels for i in deployments] == [None, None]
+    assert all(i.labels == handlers.OWNED for i in named if i.kind is not DEPLOYMENT_KIND)
+    globbed = handlers.informers(kube, ClusterCache(), ("team-*", "prod"))  # type: ignore[arg-type]
+    assert {i.namespace for i in globbed} == {"*"}
+    assert globbed[0].served("team-x") and not globbed[0].served("other")
+    assert {i.namespace for i in handlers.informers(kube, ClusterCache(), ())} == {"*"}  # type: ignore[arg-type]
+
+
+def test_events_feed_the_queues_and_the_startup_monitor_and_a_deleted_child_is_put_back() -> None:
     from operator_fakes import FakeKube, body_for
     from operator_specs import TINY_SPEC
     from sovereign_operator import handlers
-    from sovereign_operator.reconcile import Reconciler
-    from sovereign_operator.startupmonitor import StartupMonitor
+    from sovereign_operator.cache import ClusterCache
 
     kube = FakeKube(body_for(TINY_SPEC))
-    handlers.STATE.reconciler = Reconciler(kube)
-    handlers.STATE.startup = StartupMonitor(lambda: None)  # type: ignore[arg-type,return-value]
-    log = logging.getLogger("test")
+    kube.body["metadata"]["uid"] = "uid-1"
+    kube.body["kind"] = "LLMDeployment"
+    saved = copy.copy(handlers.STATE)
+    handlers.STATE.cache = ClusterCache()
     labels = {"app.kubernetes.io/instance": "llm", "app.kubernetes.io/managed-by": "sovereign-operator"}
 
+    def deployment_seen(event_type: str) -> None:
+        # As the informer does: the cache takes the object, then the handler is told.
+        handlers.STATE.cache.put(kube.body)
+        handlers._deployment_changed(event_type, kube.body)
+
     async def scenario() -> None:
-        await handlers.STATE.reconciler.reconcile(kube.body)
-        applies = kube.applies
-        pod = {"kind": "Pod", "metadata": {"name": "llm-unified-0", "namespace": "ns", "labels": labels}}
-        starting = {
-            **pod,
-            "metadata": {**pod["metadata"], "labels": {**labels, "app.kubernetes.io/component": "unified"}},
+        handlers.assemble(kube)  # type: ignore[arg-type]
+        assert handlers.STATE.reconciles is not None and handlers.STATE.statuses is not None
+        queues = (handlers.STATE.reconciles, handlers.STATE.statuses)
+        # Listed before every informer has synced: it waits in the queue.
+        deployment_seen("ADDED")
+        await asyncio.sleep(0.01)
+        assert kube.applies == 0 and len(handlers.STATE.reconciles) == 1
+        for queue in queues:
+            queue.start()
+
+        async def settle() -> None:
+            for queue in (*queues, *queues):
+                await queue.join()
+
+        await settle()
+        applies, writes = kube.applies, len(kube.status_writes)
+        assert applies > 0 and writes == 1
+        # The operator's own status write comes back as an event: nothing to do.
+        deployment_seen("MODIFIED")
+        pod = {
+            "kind": "Pod",
+            "metadata": {
+                "name": "llm-unified-0",
+                "namespace": "ns",
+                "labels": {**labels, "app.kubernetes.io/component": "unified"},
+            },
             "status": {
                 "containerStatuses": [{"name": "runtime", "containerID": "c://1", "state": {"running": {}}}]
             },
         }
-        # Pod events feed the startup monitor (what status says of starting pods) before the refresh.
-        await handlers.pod_event({"type": "ADDED", "object": starting}, starting, log)
-        assert [p["metadata"]["name"] for p, _ in handlers.STATE.startup.starting("ns", "llm")] == [
-            "llm-unified-0"
-        ]
-        await handlers.pod_event({"type": "DELETED", "object": pod}, pod, log)
-        assert handlers.STATE.startup.starting("ns", "llm") == []
-        assert kube.applies == applies
+        # Pod events feed the startup monitor, which reads the pods from the cache.
+        startup = handlers.STATE.startup
+        assert startup is not None
+        handlers.STATE.cache.put(pod)
+        handlers._child_changed("Pod")("ADDED", pod)
+        assert [p["metadata"]["name"] for p, _ in startup.starting("ns", "llm")] == ["llm-unified-0"]
+        handlers.STATE.cache.remove("Pod", "ns", "llm-unified-0")
+        handlers._child_changed("Pod")("DELETED", pod)
+        assert startup.starting("ns", "llm") == []
+        await settle()
+        assert (kube.applies, len(kube.status_writes)) == (applies, writes)
+        # Someone deletes the StatefulSet: exactly it is applied again.
         del kube.children[("StatefulSet", "llm-unified")]
         sts = {
             "kind": "StatefulSet",
             "metadata": {"name": "llm-unified", "namespace": "ns", "labels": labels},
         }
-        await handlers.statefulset_event({"type": "DELETED"}, sts, log)
-        assert ("StatefulSet", "llm-unified") in kube.children and kube.applies > applies
+        handlers._child_changed("StatefulSet")("DELETED", sts)
+        await settle()
+        assert ("StatefulSet", "llm-unified") in kube.children and kube.applies == applies + 1
+        # The deployment deleted: the reconciler forgets it, and a child's deletion applies nothing.
+        handlers.STATE.cache.remove("LLMDeployment", "ns", "llm")
+        handlers._deployment_changed("DELETED", kube.body)
+        assert ("ns", "llm") not in handlers.STATE.reconciler.outcomes  # type: ignore[union-attr]
+        handlers._child_changed("StatefulSet")("DELETED", sts)
+        await settle()
+        assert kube.applies == applies + 1
+        for queue in queues:
+            await queue.close()
 
     try:
         asyncio.run(scenario())
     finally:
-        handlers.STATE.reconciler = None
-        handlers.STATE.startup = None
+        for name, value in vars(saved).items():
+            setattr(handlers.STATE, name, value)
 
 
 def test_run_gives_kopf_the_namespaces_whose_index_feeds_the_loop(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -159,6 +159,35 @@ def test_a_child_that_cannot_be_applied_is_named_with_the_apiservers_message(
     assert [p.reason for p in problems] == [reason]
 
 
+def test_a_transient_failure_that_persists_is_reported_and_retried_with_backoff() -> None:
+    """A full Service IP range answers 500 every time: the queue's retries back off, and from the
+    third attempt on status and an Event name the child and the apiserver's message."""
+    problems: list[Problem] = []
+    kube = FakeKube(body_for(TINY_SPEC))
+    message = 'failed to allocate a serviceIP for Service "llm": range is full'
+    kube.fail_apply_of = ("Service", 500, message)
+    reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
+
+    async def scenario() -> list[float | None]:
+        delays = []
+        for _ in range(3):
+            delays.append(await reconciler.sync("ns", "llm"))
+            await reconciler.refresh_status("ns", "llm")
+            if len(delays) < 3:
+                assert "status" not in kube.body and problems == []
+        kube.fail_apply_of = None
+        delays.append(await reconciler.sync("ns", "llm"))
+        await reconciler.refresh_status("ns", "llm")
+        return delays
+
+    delays = asyncio.run(scenario())
+    assert delays[:3] == [backoff_seconds(0), backoff_seconds(1), backoff_seconds(2)] and delays[3] is None
+    assert [p.reason for p in problems] == ["ApplyFailing"]
+    assert "Service/llm" in problems[0].message and message in problems[0].message
+    degraded = next(c for c in kube.body["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"  # applied at last
+
+
 def test_backoff_grows_and_is_capped() -> None:
     delays = [backoff_seconds(retry) for retry in range(10)]
     assert delays == sorted(delays) and delays[0] >= 1 and delays[-1] == 300
