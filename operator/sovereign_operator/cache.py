@@ -1,7 +1,7 @@
 """What the operator's watches have seen: the LLMDeployments and every child they own.
 
 The operator's informers (informer.py: list, then watch, per kind) put every listed or changed
-child here and remove it on DELETED; kopf's LLMDeployment handler does the same for LLMDeployments.
+child, and every LLMDeployment, here and remove it on DELETED.
 Status, prune, the model download's Jobs and the resync after a restart then read memory instead of
 the apiserver: a burst of pod events costs no LISTs, and a restart that finds every child as it was
 last applied writes nothing (each applied child carries the digest of its rendering in
@@ -138,7 +138,7 @@ class _Entry:
 
 class ClusterCache:
     def __init__(self) -> None:
-        # True once kopf has listed every watched kind (handlers.py sets it); before that readers
+        # True once the informers have listed every watched kind (handlers.py sets it); before that readers
         # go to the apiserver.
         self.synced = False
         self._seq = 0
@@ -152,7 +152,7 @@ class ClusterCache:
     # --- feeding -------------------------------------------------------------------------------
 
     def put(self, obj: Mapping[str, Any]) -> None:
-        """A listed, added or modified object (kopf's body, or a response the operator received)."""
+        """A listed, added or modified object (an informer's, or a response the operator received)."""
         meta = obj.get("metadata") or {}
         namespace, name, kind = meta.get("namespace"), meta.get("name"), obj.get("kind")
         if not namespace or not name:

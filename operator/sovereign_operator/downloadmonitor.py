@@ -2,9 +2,9 @@
 
 A reconcile reads the watched Job (its pods' termination messages, the running pod's latest
 progress line), writes `status.model`, and renders what the answer unlocks: the cache claim and
-download Job once the commit is known, the pools once the download is complete. Jobs are not
-watched by kopf (shared objects carry no deployment's instance label), so the loop polls them,
-and only while a download is unsettled.
+download Job once the commit is known, the pools once the download is complete. The Jobs are in
+the watch cache, but shared objects carry no deployment's instance label, so their changes wake no
+deployment: the loop polls them (memory reads), and only while a download is unsettled.
 """
 
 from __future__ import annotations

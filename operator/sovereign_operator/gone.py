@@ -1,8 +1,7 @@
 """An LLMDeployment that no longer exists, as a part of the operator finds out by reading it.
 
-kopf's watch of a namespace being deleted stops before its objects' DELETED events arrive, so kopf's
-index (what the loop serves) keeps their last bodies for as long as the operator runs. Whatever reads
-the object itself (the reconciler, the autoscaler) and gets nothing, or an object of another uid
+The watch cache (what the loop serves) may hold an object's last body for a moment after it went (a
+DELETED still on its way, a watch that expired). Whatever reads the object itself (the reconciler, the autoscaler) and gets nothing, or an object of another uid
 (deleted and created again under the same name), raises DeploymentGone; the loop then drops
 everything it keeps for that object and serves the stale body no more.
 """

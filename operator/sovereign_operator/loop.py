@@ -1,7 +1,7 @@
 """The operator's periodic loop: autoscaling, KV health and output health for every LLMDeployment it serves.
 
-Every TICK_SECONDS the loop takes the LLMDeployments kopf has indexed (handlers.py: kopf's watch of
-exactly the namespaces `run --namespace` serves, so the loop lists nothing itself) and runs a round
+Every TICK_SECONDS the loop takes the LLMDeployments in the watch cache (handlers.py: the informers
+of exactly the namespaces `run --namespace` serves, so the loop lists nothing itself) and runs a round
 for each, as its own task: a slow or failing object never delays another, and an object whose
 previous round is still running is skipped. The autoscaler skips rounds until the deployment's
 `spec.autoscaling.intervalSeconds` has passed, so the interval is per object; the KV-health monitor
@@ -77,8 +77,8 @@ class OperatorLoop:
         self.tick_s = tick_s
         self.log = logger or logging.getLogger(__name__)
         self.rounds: dict[Key, asyncio.Task[None]] = {}
-        # Objects a round found gone while kopf's index still serves their last body (a deleted
-        # namespace): key -> that body's uid, skipped until the index drops or replaces it.
+        # Objects a round found gone while the cache still serves their last body: key -> that
+        # body's uid, skipped until the cache drops or replaces it.
         self.gone: dict[Key, str | None] = {}
         self._task: asyncio.Task[None] | None = None
 

@@ -323,7 +323,7 @@ class Reconciler:
         except Exception as error:
             raise self._classify(error, "reading the deployment", retry) from error
         if is_gone(body, live):
-            # Deleted, or its namespace is (a stale body from kopf's index): nothing to apply, and
+            # Deleted, or its namespace is (a stale body from the cache): nothing to apply, and
             # nothing of it to keep. Applying would only be refused ("namespace not found").
             self.forget(*key)
             raise gone_error(body)
