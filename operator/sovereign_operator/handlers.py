@@ -266,7 +266,7 @@ def _deployment_changed(event_type: str, body: dict[str, Any]) -> None:
     if not namespace or not name or reconciler is None:
         return
     if event_type == "DELETED":
-        reconciler.forget(namespace, name)
+        reconciler.deleted(namespace, name)
         return
     if reconciles is not None and reconciler.wants(body):
         reconciles.add((namespace, name))

@@ -106,6 +106,10 @@ def budget_in_force(rendered: Rendered, status: Mapping[str, Any] | None) -> Sta
 MAX_CONCURRENT_APPLIES = 8
 
 
+# What the apiserver says to a write into a namespace being deleted.
+NAMESPACE_TERMINATING = "because it is being terminated"
+
+
 def backoff_seconds(retry: int) -> float:
     return float(min(300, 5 * 2 ** min(retry, 6)))
 
@@ -203,6 +207,9 @@ class Reconciler:
         self._budget_overrun: dict[tuple[str, str], Mapping[str, Any]] = {}
         # Failed attempts in a row per deployment (the backoff of `sync`).
         self._retries: dict[tuple[str, str], int] = {}
+        # Deployments whose namespace refused a write because it is being deleted, by uid: nothing
+        # is reconciled for them again (their children's deletions would each try a write).
+        self._ended: dict[tuple[str, str], str | None] = {}
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -225,10 +232,21 @@ class Reconciler:
         if meta.get("deletionTimestamp"):
             return False
         key = (meta["namespace"], meta["name"])
+        if self._ended_here(key, meta):
+            return False
         outcome = self.outcomes.get(key)
         return (
             outcome is None or outcome.generation != int(meta.get("generation") or 1) or key in self._retries
         )
+
+    def _ended_here(self, key: tuple[str, str], meta: Mapping[str, Any]) -> bool:
+        """Found gone by a write (its namespace is being deleted) while its DELETED is on its way."""
+        return key in self._ended and self._ended[key] == meta.get("uid")
+
+    def deleted(self, namespace: str, name: str) -> None:
+        """The LLMDeployment's DELETED arrived: forget it, and that it ended."""
+        self.forget(namespace, name)
+        self._ended.pop((namespace, name), None)
 
     def child_deleted(self, namespace: str, deployment: str, kind: str, name: str) -> None:
         """A child of `deployment` is gone (deleted by someone, or not found after a relist): the
@@ -243,6 +261,8 @@ class Reconciler:
         body = await self.kube.get_deployment(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
+            return None
+        if self._ended_here(key, body["metadata"]):
             return None
         try:
             await self.reconcile(body, retry=self._retries.get(key, 0), refresh=False)
@@ -432,6 +452,11 @@ class Reconciler:
                         self._applied_shared.pop((ref.namespace, ref.name, kind, name), None)
         except Exception as error:
             message = _api_error_message(error)
+            if _api_error_code(error) == 403 and NAMESPACE_TERMINATING in message:
+                # The namespace is going and the deployment with it: no retries, no Events.
+                self.forget(*key)
+                self._ended[key] = meta.get("uid")
+                raise gone_error(body) from error
             problem, retryable = apply_problem(_api_error_code(error), writing, message)
             if problem is None and retry >= REPORT_TRANSIENT_AFTER:
                 # Transient by its status code, yet it keeps failing (a full Service IP range answers

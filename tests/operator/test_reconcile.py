@@ -159,6 +159,35 @@ def test_a_child_that_cannot_be_applied_is_named_with_the_apiservers_message(
     assert [p.reason for p in problems] == [reason]
 
 
+def test_a_namespace_being_deleted_ends_the_deployment_without_retries_or_events() -> None:
+    """Its children's deletions each put it on the queue: one refused write ends it, until its
+    DELETED arrives (a new object of the same name is reconciled again)."""
+    problems: list[Problem] = []
+    kube = FakeKube(body_for(TINY_SPEC))
+    kube.body["metadata"]["uid"] = "uid-1"
+    kube.fail_apply_of = (
+        "Service",
+        403,
+        'services "llm" is forbidden: unable to create new content in namespace ns because it is being terminated',
+    )
+    reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
+
+    async def scenario() -> None:
+        assert await reconciler.sync("ns", "llm") is None
+        applies = kube.applies
+        assert not reconciler.wants(kube.body)
+        assert await reconciler.sync("ns", "llm") is None
+        assert kube.applies == applies and problems == []
+        reconciler.deleted("ns", "llm")
+        kube.fail_apply_of = None
+        kube.body["metadata"]["uid"] = "uid-2"
+        assert reconciler.wants(kube.body)
+        assert await reconciler.sync("ns", "llm") is None
+        assert kube.applies > applies
+
+    asyncio.run(scenario())
+
+
 def test_a_transient_failure_that_persists_is_reported_and_retried_with_backoff() -> None:
     """A full Service IP range answers 500 every time: the queue's retries back off, and from the
     third attempt on status and an Event name the child and the apiserver's message."""
