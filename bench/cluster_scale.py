@@ -211,6 +211,10 @@ def by_request(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+# How long the operator must have written nothing before the steady state is measured.
+STEADY_QUIET_S = 15.0
+
+
 def requests_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
     requests = by_request(events)
     verbs = Counter(e["verb"] for e in requests)
@@ -486,7 +490,16 @@ def run_operator(
     assert len(child_times) == count, f"children of {len(child_times)}/{count} deployments in the audit log"
     ready_times = list(ready_at.values())
 
-    # The steady state.
+    # The steady state, once the operator has written nothing for STEADY_QUIET_S: the StatefulSet
+    # and Deployment controllers report a pod available minReadySeconds (10 s) after Ready, and status
+    # follows that (bounded wait).
+    settle_until = time.monotonic() + 120
+    offset = audit.mark()
+    while time.monotonic() < settle_until:
+        time.sleep(STEADY_QUIET_S)
+        if requests_summary(audit.events(offset, OPERATOR_USER))["writes"] == 0:
+            break
+        offset = audit.mark()
     offset = audit.mark()
     time.sleep(steady_s)
     steady_writes = requests_summary(audit.events(offset, OPERATOR_USER))["writes"]
