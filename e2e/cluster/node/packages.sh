@@ -21,12 +21,14 @@ ensure_debian_packages() {
     return 1
   fi
   echo "installing Debian packages for $what: ${missing[*]}" >&2
-  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >&2; then
-    # A stale package index is the usual cause on a fresh machine.
-    DEBIAN_FRONTEND=noninteractive apt-get update -q >&2 &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >&2 || {
-      echo "$what needs the Debian packages ${missing[*]}, and apt-get could not install them"
-      return 1
-    }
+  local apt=(env DEBIAN_FRONTEND=noninteractive apt-get -q)
+  if "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >&2; then
+    return 0
   fi
+  # A stale package index is the usual cause on a fresh machine.
+  if "${apt[@]}" update >&2 && "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >&2; then
+    return 0
+  fi
+  echo "$what needs the Debian packages ${missing[*]}, and apt-get could not install them"
+  return 1
 }
