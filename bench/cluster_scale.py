@@ -13,7 +13,8 @@ the figure that survives this shared machine's noise.
 
 It starts the local cluster if needed (e2e/cluster/cluster.sh up) and runs the operator as a
 subprocess with the chart's RBAC, exactly as tests/cluster does. The deployments use the built-in
-CPU model (unified mode: one worker StatefulSet and a router each), so 100 fit on the fake nodes.
+CPU model (unified mode: one worker StatefulSet and a router each), so 100 fit on the fake nodes; their
+namespaces send every pod there (`create_namespace(..., fake_nodes=True)`), never to the real node.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from cluster_helpers import (  # noqa: E402 - the helpers live with the cluster 
     audit_log_path,
     audited_writes,
     condition,
+    create_namespace,
     local_kubeconfig,
     make_operator_kubeconfig,
 )
@@ -130,7 +132,7 @@ async def apply_all(kubeconfig: Path, per_deployment: list[list[dict[str, Any]]]
 def run_limit(kube: Kubectl, operator_kubeconfig: Path, count: int, workers: int) -> dict[str, Any]:
     """The same children applied without the operator (nobody watches this namespace)."""
     ns = f"limit-{count}-{int(time.time())}"
-    kube.run("create", "namespace", ns)
+    create_namespace(kube, ns, fake_nodes=True)
     names = [f"m{i:03d}" for i in range(count)]
     kube.apply({"apiVersion": "v1", "kind": "List", "items": [llmd(n) for n in names]}, ns)
     children: list[list[dict[str, Any]]] = []
@@ -161,7 +163,7 @@ def run_one(
     kube: Kubectl, operator_kubeconfig: Path, count: int, steady_s: float, log_dir: Path
 ) -> dict[str, Any]:
     ns = f"bench-{count}-{int(time.time())}"
-    kube.run("create", "namespace", ns)
+    create_namespace(kube, ns, fake_nodes=True)
     op = OperatorProcess(
         kubeconfig=operator_kubeconfig, log_path=log_dir / f"operator-{count}.log", namespaces=(ns,)
     )
@@ -234,7 +236,7 @@ def main() -> None:
     args = parser.parse_args()
 
     subprocess.run([str(CLUSTER_SH), "up"], check=True)
-    kube = Kubectl(local_kubeconfig())
+    kube = Kubectl(local_kubeconfig(), local=True)
     kube.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     log_dir = REPO / ".cluster" / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,13 @@ KUBECTL = (
     str(BIN / "kubectl") if (BIN / "kubectl").exists() else (shutil.which("kubectl") or str(BIN / "kubectl"))
 )
 
+# Annotations that send every pod of a namespace to kwok's fake nodes (PodNodeSelector and
+# PodTolerationRestriction; `cluster.sh fake-namespace` applies the same file).
+FAKE_NODES_ANNOTATIONS: dict[str, str] = json.loads(
+    (REPO / "e2e" / "cluster" / "kwok" / "fake-namespace-annotations.json").read_text()
+)
+REAL_NODE_UNSUPPORTED = 3  # `cluster.sh real-node`'s exit status where the machine cannot run it
+
 OPERATOR_NAMESPACE = "sovereign-system"
 OPERATOR_SA = "sovereign-operator"
 OPERATOR_ROLE = "sovereign-operator-test"
@@ -314,6 +321,28 @@ def set_rdma(kube: Kubectl, on: bool) -> None:
         label = "feature.node.kubernetes.io/rdma.available" + ("=true" if on else "-")
         kube.run("label", "node", name, label, "--overwrite")
         kube.run("patch", "node", name, "--subresource=status", "--type=merge", "-p", patch)
+
+
+def create_namespace(kube: Kubectl, name: str, *, fake_nodes: bool) -> None:
+    """Create namespace ``name``; with ``fake_nodes`` on the local cluster, every pod in it goes to
+    kwok's fake nodes (instant fake pods, as the operator-behaviour tests expect) instead of the real
+    node. Elsewhere (kind) the annotations would pin pods to nodes that do not exist: left off."""
+    annotations = FAKE_NODES_ANNOTATIONS if fake_nodes and kube.local else {}
+    kube.run(
+        "create",
+        "-f",
+        "-",
+        stdin=json.dumps(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "annotations": annotations}}
+        ),
+    )
+
+
+def real_node() -> tuple[int, str]:
+    """(exit status, output) of `cluster.sh real-node`: 0 and the node's name when it is up,
+    REAL_NODE_UNSUPPORTED and the reason where this machine cannot run it, 1 and what is wrong else."""
+    proc = subprocess.run([str(CLUSTER_SH), "real-node"], capture_output=True, text=True, timeout=60)
+    return proc.returncode, (proc.stdout.strip() or proc.stderr.strip())
 
 
 def local_kubeconfig() -> Path:

@@ -7,6 +7,11 @@ least-privilege identity the Helm chart grants (a ServiceAccount bound to
 `charts/sovereign/files/operator-rbac-rules.yaml`, authenticated with its token). Each test gets
 its own namespace. Everything talks to the cluster through the kubectl built next to it.
 
+Namespaces made by `namespace`, `module_namespace` and `fresh_namespace` send their pods to kwok's
+fake nodes (`FAKE_NODES_ANNOTATIONS`), so the operator-behaviour tests get instant fake pods whether
+or not the local cluster has its real node; `real_node_namespace` gives one whose non-GPU pods run on
+the real node (kubelet, containerd), skipped with the reason where this machine cannot run one.
+
 On a cluster whose pods really run (kind: `e2e/kind/up.sh test`), SOVEREIGN_TEST_OPERATOR=external
 uses the operator already installed there (the chart's Deployment, found by
 SOVEREIGN_OPERATOR_NAMESPACE and SOVEREIGN_OPERATOR_SELECTOR) instead of starting one. Tests that
@@ -32,15 +37,18 @@ import pytest
 from cluster_helpers import (
     CLUSTER_SH,
     CRD_DIR,
+    REAL_NODE_UNSUPPORTED,
     REPO,
     ExternalOperator,
     Kubectl,
     OperatorHandle,
     OperatorProcess,
+    create_namespace,
     has_fake_gpu_nodes,
     local_kubeconfig,
     make_operator_kubeconfig,
     reachable,
+    real_node,
 )
 
 # Every namespace of this session starts with this prefix and the session's operator watches only
@@ -106,14 +114,16 @@ def kube() -> Kubectl:
 
 
 @contextmanager
-def fresh_namespace(kube: Kubectl, label: str) -> Iterator[str]:
+def fresh_namespace(kube: Kubectl, label: str, *, fake_nodes: bool = True) -> Iterator[str]:
     """Create a namespace named after `label`; delete it afterwards and wait until it is gone.
+    Its pods go to kwok's fake nodes unless `fake_nodes` is False (then: the real node, GPU pods
+    excepted).
 
     Waiting matters: the fake GPU nodes are few, and the next test needs their GPUs free.
     """
     base = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:40].strip("-")
     name = f"{SESSION_PREFIX}{base}-{secrets.token_hex(3)}"
-    kube.run("create", "namespace", name)
+    create_namespace(kube, name, fake_nodes=fake_nodes)
     try:
         yield name
     finally:
@@ -133,6 +143,27 @@ def namespace(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
 def module_namespace(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
     """One namespace for a module whose tests leave nothing behind (e.g. rejected creates)."""
     with fresh_namespace(kube, request.module.__name__.rsplit(".", 1)[-1]) as name:
+        yield name
+
+
+@pytest.fixture(scope="session")
+def real_node_name(kube: Kubectl) -> str:
+    """The local cluster's real node (kubelet + containerd). Skipped, with the reason, where this
+    machine cannot run one (not root, no cgroups/overlayfs/namespaces); a node that should be there
+    and is not fails the test instead."""
+    if not kube.local:
+        pytest.skip("needs the local cluster's real node (this is another cluster)")
+    status, out = real_node()
+    if status == REAL_NODE_UNSUPPORTED:
+        pytest.skip(f"this machine cannot run the local cluster's real node: {out}")
+    assert status == 0, f"the local cluster's real node is down: {out}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_node_namespace(kube: Kubectl, real_node_name: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace as a user makes one (no annotations): its non-GPU pods run on the real node."""
+    with fresh_namespace(kube, request.module.__name__.rsplit(".", 1)[-1], fake_nodes=False) as name:
         yield name
 
 
