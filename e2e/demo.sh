@@ -63,10 +63,20 @@ start() {
     operator_running || { echo "demo: the operator exited; last lines of $oplog:" >&2; tail -20 "$oplog" >&2; exit 1; }
   fi
 
-  local n
-  for n in "$ns" "$ds_ns"; do
-    kubectl create namespace "$n" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-  done
+  # The DeepSeek example needs GPUs: its namespace sends every pod to kwok's fake nodes. The tiny
+  # example runs on the real node when it is up and holds the runtime image; else on the fake CPU node.
+  "$repo/e2e/cluster/cluster.sh" fake-namespace "$ds_ns"
+  local runtime_image why=""
+  runtime_image=$("$repo/.venv/bin/python" -c 'from sovereign_operator.api.spec import DEFAULT_RUNTIME_IMAGE as i; print(i)')
+  if ! why=$("$repo/e2e/cluster/cluster.sh" has-image "$runtime_image" 2>&1); then
+    "$repo/e2e/cluster/cluster.sh" fake-namespace "$ns"
+    echo "demo: the tiny example runs on kwok's fake CPU node (${why#node.py: })"
+  else
+    kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+    kubectl annotate namespace "$ns" scheduler.alpha.kubernetes.io/node-selector- \
+      scheduler.alpha.kubernetes.io/defaultTolerations- >/dev/null
+    echo "demo: the tiny example runs on the real node ($runtime_image)"
+  fi
   echo "demo: kubectl apply -n $ns -f examples/tiny.yaml"
   kubectl apply -n "$ns" -f "$repo/examples/tiny.yaml" >/dev/null
   echo "demo: kubectl apply -f examples/deepseek-v3-pd.yaml (+ its PVCs: e2e/demo/deepseek-volumes.yaml)"

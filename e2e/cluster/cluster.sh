@@ -9,7 +9,8 @@
 #   cluster.sh restart [etcd] [kube-apiserver]  restart those on their data (fault tests; both by default)
 #   cluster.sh rdma on|off  give the GPU nodes the RDMA device-plugin resource, or take it away
 #   cluster.sh status     is it up, and is the real node?
-#   cluster.sh real-node  print the real node's name, or why there is none (exit 1)
+#   cluster.sh real-node  print the real node's name, or why there is none (exit 3 where this machine
+#                         cannot run one, 1 where it should be up and is not)
 #   cluster.sh import-image FILE.tar...  import image archives into the real node (idempotent)
 #   cluster.sh has-image REF...  succeed when the real node holds these images
 #   cluster.sh fake-namespace NAME...  create (or mark) namespaces whose pods all go to kwok's fake nodes

@@ -137,6 +137,11 @@ def test_a_service_answers_from_another_pod_by_cluster_ip_and_dns_name(
         assert out.startswith("hello from web-0"), (url, out)
     looked_up = exec_in(kube, ns, "client", "lookup", f"web.{ns}.svc.cluster.local").stdout.split()
     assert looked_up == [cluster_ip]
+    # kube-proxy's rules live in the node's network namespace, not in this machine's.
+    host_nat = subprocess.run(
+        ["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "KUBE-SERVICES" not in host_nat
     # Names outside the cluster get an answer at once, and never from the machine's resolver.
     outside = exec_in(kube, ns, "client", "lookup", "pypi.org", check=False)
     assert outside.returncode != 0 and "10.0.0.10" in outside.stderr

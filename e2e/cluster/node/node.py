@@ -620,7 +620,8 @@ def mounts_below(mountinfo: str, roots: Sequence[Path]) -> list[str]:
 
 
 def archive_image(path: Path) -> tuple[str, str]:
-    """(reference, manifest digest) of a one-image archive written by e2e/images/oci.py (OCI layout)."""
+    """(reference, manifest digest) of a one-image OCI image-layout archive that names its image, as
+    e2e/images/oci.py and Docker 25+'s ``docker save`` write them."""
     try:
         with tarfile.open(path) as tar:
             member = tar.extractfile("index.json")
