@@ -802,6 +802,10 @@ class Node:
         ):
             if daemon in stale:
                 self.stop_daemon(daemon, binary)
+            elif not self.running(daemon, binary):
+                # Killed with the machine or the session that ran `up`: the wait below must not take
+                # the dead pid for a daemon that just exited before this `up` starts it again.
+                self.pid_file(daemon).unlink(missing_ok=True)
 
         if not self.running("containerd", "containerd"):
             self.start(
