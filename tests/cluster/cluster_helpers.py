@@ -7,9 +7,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -433,3 +435,29 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path, service_account: st
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path
+
+
+@contextmanager
+def port_forward(kube: Kubectl, ns: str, service: str, port: int) -> Iterator[str]:
+    """`kubectl port-forward service/<service>` to a free local port; yields its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local = s.getsockname()[1]
+    cmd = [KUBECTL, "--kubeconfig", str(kube.kubeconfig), "port-forward", "-n", ns]
+    proc = subprocess.Popen(
+        [*cmd, f"service/{service}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (
+                f"port-forward exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", local)) == 0:
+                    break
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{local}"
+    finally:
+        proc.terminate()
+        proc.wait(10)

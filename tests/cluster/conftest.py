@@ -10,7 +10,9 @@ its own namespace. Everything talks to the cluster through the kubectl built nex
 Namespaces made by `namespace`, `module_namespace` and `fresh_namespace` send their pods to kwok's
 fake nodes (`FAKE_NODES_ANNOTATIONS`), so the operator-behaviour tests get instant fake pods whether
 or not the local cluster has its real node; `real_node_namespace` gives one whose non-GPU pods run on
-the real node (kubelet, containerd), skipped with the reason where this machine cannot run one.
+the real node (kubelet, containerd), skipped with the reason where this machine cannot run one;
+`real_node_runtime_image` builds the runtime image here (cached) and imports it into that node, so the
+operator's own pods run there (tests/cluster/test_real_pods.py).
 
 On a cluster whose pods really run (kind: `e2e/kind/up.sh test`), SOVEREIGN_TEST_OPERATOR=external
 uses the operator already installed there (the chart's Deployment, found by
@@ -50,6 +52,8 @@ from cluster_helpers import (
     reachable,
     real_node,
 )
+from local_images import build_local_images
+from sovereign_operator.api.spec import DEFAULT_RUNTIME_IMAGE
 
 # Every namespace of this session starts with this prefix and the session's operator watches only
 # those, so two sessions on one cluster (CI retries, engineers sharing .cluster) never fight.
@@ -165,6 +169,22 @@ def real_node_namespace(kube: Kubectl, real_node_name: str, request: pytest.Fixt
     """A namespace as a user makes one (no annotations): its non-GPU pods run on the real node."""
     with fresh_namespace(kube, request.module.__name__.rsplit(".", 1)[-1], fake_nodes=False) as name:
         yield name
+
+
+@pytest.fixture(scope="session")
+def real_node_runtime_image(real_node_name: str) -> str:
+    """The runtime image built on this machine (e2e/images/build.sh: cached, a warm build is a no-op)
+    imported into the real node (`cluster.sh import-image`: a no-op when the node holds it), under the
+    reference the operator renders by default, so the pods of a plain `LLMDeployment` find it."""
+    if os.geteuid() != 0:  # the real node needs root too; this says what else needs it
+        pytest.skip("building the local images needs root (debootstrap, chroot)")
+    image = build_local_images()["images"]["runtime"]
+    assert image["ref"] == DEFAULT_RUNTIME_IMAGE, (image["ref"], DEFAULT_RUNTIME_IMAGE)
+    imported = subprocess.run(
+        [str(CLUSTER_SH), "import-image", image["archive"]], capture_output=True, text=True, timeout=1200
+    )
+    assert imported.returncode == 0, imported.stdout[-2000:] + imported.stderr[-2000:]
+    return str(image["ref"])
 
 
 @pytest.fixture(scope="session")
