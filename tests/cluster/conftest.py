@@ -51,6 +51,7 @@ from cluster_helpers import (
     make_operator_kubeconfig,
     reachable,
     real_node,
+    wait_for,
 )
 from local_images import build_local_images
 from sovereign_operator.api.spec import DEFAULT_RUNTIME_IMAGE
@@ -185,6 +186,21 @@ def real_node_runtime_image(real_node_name: str) -> str:
     )
     assert imported.returncode == 0, imported.stdout[-2000:] + imported.stderr[-2000:]
     return str(image["ref"])
+
+
+@pytest.fixture
+def real_pods_namespace(
+    kube: Kubectl, real_node_name: str, real_node_runtime_image: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A namespace as a user makes one, per test, for the operator's pods on the real node (with the
+    runtime image imported there): pods of one test never hold the node's two CPUs while the next
+    one starts."""
+    with fresh_namespace(kube, request.node.name, fake_nodes=False) as name:
+        yield name
+        # The deployments first, then the namespace once their pods are gone: deleted together, the
+        # namespace controller waits out the pods' grace periods before it looks again (80 s here).
+        kube.run("delete", "llmd", "--all", "-n", name, "--wait=true", timeout=120)
+        wait_for(f"the pods of {name} to be gone", lambda: not kube.items("pods", "-n", name), timeout=180)
 
 
 @pytest.fixture(scope="session")

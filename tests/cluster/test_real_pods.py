@@ -22,7 +22,6 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,6 @@ from cluster_helpers import (
     wait_for,
     wait_ready,
 )
-from conftest import fresh_namespace
 from openai import OpenAI
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
 
@@ -50,20 +48,6 @@ INSTANCE = "app.kubernetes.io/instance"
 READY_TIMEOUT = 240
 # Small CPU requests, so two workers and a router fit on the node beside CoreDNS (2 CPUs).
 SMALL = {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
-
-
-@pytest.fixture
-def real_namespace(
-    kube: Kubectl, real_node_name: str, real_node_runtime_image: str, request: pytest.FixtureRequest
-) -> Iterator[str]:
-    """A namespace as a user makes one (its pods run on the real node), per test: pods of one test
-    never hold the node's two CPUs while the next one starts."""
-    with fresh_namespace(kube, request.node.name, fake_nodes=False) as name:
-        yield name
-        # The deployments first, then the namespace once their pods are gone: deleted together, the
-        # namespace controller waits out the pods' grace periods before it looks again (80 s here).
-        kube.run("delete", "llmd", "--all", "-n", name, "--wait=true", timeout=120)
-        wait_for(f"the pods of {name} to be gone", lambda: not kube.items("pods", "-n", name), timeout=180)
 
 
 def tiny_spec(replicas: int = 1, **runtime: Any) -> dict[str, Any]:
@@ -107,9 +91,9 @@ def _lists_models(client: OpenAI) -> bool:
 
 
 def test_tiny_runs_on_the_real_node_and_answers_through_its_endpoint(
-    kube: Kubectl, operator: OperatorHandle, real_namespace: str, real_node_name: str
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, real_node_name: str
 ) -> None:
-    ns = real_namespace
+    ns = real_pods_namespace
     applied = time.monotonic()
     kube.run("apply", "-n", ns, "-f", str(EXAMPLES / "tiny.yaml"))
     obj = wait_ready(kube, operator, ns, "tiny", timeout=READY_TIMEOUT)
@@ -188,9 +172,9 @@ class StreamingLoad:
 
 
 def test_scale_down_under_streaming_load_drains_and_loses_no_request(
-    kube: Kubectl, operator: OperatorHandle, real_namespace: str
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str
 ) -> None:
-    ns, name = real_namespace, "drain"
+    ns, name = real_pods_namespace, "drain"
     kube.apply(llmd(name, tiny_spec(replicas=2)), ns)
     obj = wait_ready(kube, operator, ns, name, timeout=READY_TIMEOUT)
     leaving = f"{name}-unified-1"
@@ -247,9 +231,9 @@ HOLD_S = 45
 
 
 def test_a_jit_hold_longer_than_a_short_budget_restarts_the_pod_and_names_the_phase(
-    kube: Kubectl, operator: OperatorHandle, real_namespace: str
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str
 ) -> None:
-    ns = real_namespace
+    ns = real_pods_namespace
     hold = ["--enable-fault-injection", "--debug-hold-compiling-s", str(HOLD_S)]
     # Both at once (half the wall time): one budget shorter than the hold, one that covers it.
     kube.apply(llmd("short", {**tiny_spec(args=hold), "startup": {"budgetSeconds": 25}}), ns)
