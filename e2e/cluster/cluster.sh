@@ -101,9 +101,10 @@ apply_nodes() {
   # Nodes keep the status (capacity) they are created with; `apply` on an existing node is a no-op.
   kubectl apply -f "$here/kwok/nodes.yaml" -f "$here/kwok/h100-nodes.yaml" >/dev/null
   # A node kwok has not initialised yet has no conditions, which `kubectl wait` reports as an error
-  # instead of waiting: try again for a while.
+  # instead of waiting: try again for a while (kwok, watching only annotated nodes, took over 10 s
+  # to initialise six new ones here).
   local _
-  for _ in 1 2 3 4 5; do
+  for _ in $(seq 1 30); do
     kubectl wait --for=condition=Ready node -l type=kwok --timeout=60s >/dev/null 2>&1 && return 0
     sleep 2
   done
