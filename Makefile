@@ -55,7 +55,9 @@ demo: venv tools
 demo-stop:
 	e2e/demo.sh stop
 
+# The cluster first: its real node runs as root with state under .cluster.
 clean:
+	-e2e/cluster/cluster.sh down
 	rm -rf $(VENV) .cache .cluster
 
 # The same images built on this machine without a registry or Docker (root: debootstrap), from the

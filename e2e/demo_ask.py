@@ -7,6 +7,11 @@ same functions, against this local process on the local control plane and throug
 Service on a cluster whose pods really run (kind).
 
     python e2e/demo_ask.py '<the container args as JSON>'
+
+Where the tiny example runs on the local cluster's real node, `make demo` asks its endpoint instead
+(the router Service, port-forwarded to 127.0.0.1):
+
+    python e2e/demo_ask.py --endpoint http://127.0.0.1:PORT MODEL
 """
 
 from __future__ import annotations
@@ -118,16 +123,28 @@ def ask(base: str, model: str | None, count: int = 3, seed: int = 2026) -> list[
     return answers
 
 
+def print_answers(answers: list[Answer]) -> None:
+    for answer in answers:
+        verdict = "correct" if answer.correct else "WRONG"
+        print(f"  Q: {answer.prompt}")
+        print(f"     reasoning: {answer.reasoning!r}")
+        print(f"     answer:    {answer.content!r} ({verdict})")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--endpoint"]:
+        base, model = sys.argv[2], sys.argv[3]
+        try:
+            wait_ready(base, timeout_s=120)
+            print_answers(ask(base, model))
+        except (RuntimeError, OSError) as err:
+            raise SystemExit(f"demo: {base}: {err}") from None
+        return
     rendered = json.loads(sys.argv[1])
     print("demo: sovereign-runtime " + " ".join(rendered) + "  (here: on 127.0.0.1)", flush=True)
     try:
         with serve_locally(rendered) as base:
-            for answer in ask(base, served_model_name(rendered)):
-                verdict = "correct" if answer.correct else "WRONG"
-                print(f"  Q: {answer.prompt}")
-                print(f"     reasoning: {answer.reasoning!r}")
-                print(f"     answer:    {answer.content!r} ({verdict})")
+            print_answers(ask(base, served_model_name(rendered)))
     except RuntimeError as err:
         raise SystemExit(f"demo: {err}") from None
 

@@ -64,6 +64,13 @@ up() {
   kubectl() { "$here/bin/kubectl" --kubeconfig "$kubeconfig" "$@"; }
   # Server-side: the CRDs are larger than a client-side apply's last-applied annotation may be.
   kubectl apply --server-side --force-conflicts -f "$out/crds/" >/dev/null
+  # Right after the create the CRD may have no status.conditions yet, which `kubectl wait` reports as an
+  # error instead of waiting (a fresh cluster's `up` failed on it): try again for a while.
+  for _ in $(seq 1 30); do
+    kubectl wait --for=condition=Established crd/leaderworkersets.leaderworkerset.x-k8s.io --timeout=60s \
+      >/dev/null 2>&1 && break
+    sleep 1
+  done
   kubectl wait --for=condition=Established crd/leaderworkersets.leaderworkerset.x-k8s.io --timeout=60s >/dev/null
   certs "$state"
   if ! running "$state"; then

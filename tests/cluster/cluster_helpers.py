@@ -7,9 +7,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +30,13 @@ OPERATOR_CLI = REPO / ".venv" / "bin" / "sovereign-operator"
 KUBECTL = (
     str(BIN / "kubectl") if (BIN / "kubectl").exists() else (shutil.which("kubectl") or str(BIN / "kubectl"))
 )
+
+# Annotations that send every pod of a namespace to kwok's fake nodes (PodNodeSelector and
+# PodTolerationRestriction; `cluster.sh fake-namespace` applies the same file).
+FAKE_NODES_ANNOTATIONS: dict[str, str] = json.loads(
+    (REPO / "e2e" / "cluster" / "kwok" / "fake-namespace-annotations.json").read_text()
+)
+REAL_NODE_UNSUPPORTED = 3  # `cluster.sh real-node`'s exit status where the machine cannot run it
 
 OPERATOR_NAMESPACE = "sovereign-system"
 OPERATOR_SA = "sovereign-operator"
@@ -316,6 +325,28 @@ def set_rdma(kube: Kubectl, on: bool) -> None:
         kube.run("patch", "node", name, "--subresource=status", "--type=merge", "-p", patch)
 
 
+def create_namespace(kube: Kubectl, name: str, *, fake_nodes: bool) -> None:
+    """Create namespace ``name``; with ``fake_nodes`` on the local cluster, every pod in it goes to
+    kwok's fake nodes (instant fake pods, as the operator-behaviour tests expect) instead of the real
+    node. Elsewhere (kind) the annotations would pin pods to nodes that do not exist: left off."""
+    annotations = FAKE_NODES_ANNOTATIONS if fake_nodes and kube.local else {}
+    kube.run(
+        "create",
+        "-f",
+        "-",
+        stdin=json.dumps(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "annotations": annotations}}
+        ),
+    )
+
+
+def real_node() -> tuple[int, str]:
+    """(exit status, output) of `cluster.sh real-node`: 0 and the node's name when it is up,
+    REAL_NODE_UNSUPPORTED and the reason where this machine cannot run it, 1 and what is wrong else."""
+    proc = subprocess.run([str(CLUSTER_SH), "real-node"], capture_output=True, text=True, timeout=60)
+    return proc.returncode, (proc.stdout.strip() or proc.stderr.strip())
+
+
 def local_kubeconfig() -> Path:
     """The kubeconfig cluster.sh writes for SOVEREIGN_CLUSTER (default: the cluster "sovereign")."""
     name = os.environ.get("SOVEREIGN_CLUSTER", "sovereign")
@@ -414,3 +445,29 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path, service_account: st
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path
+
+
+@contextmanager
+def port_forward(kube: Kubectl, ns: str, service: str, port: int) -> Iterator[str]:
+    """`kubectl port-forward service/<service>` to a free local port; yields its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local = s.getsockname()[1]
+    cmd = [KUBECTL, "--kubeconfig", str(kube.kubeconfig), "port-forward", "-n", ns]
+    proc = subprocess.Popen(
+        [*cmd, f"service/{service}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (
+                f"port-forward exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", local)) == 0:
+                    break
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{local}"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -7,6 +7,13 @@ least-privilege identity the Helm chart grants (a ServiceAccount bound to
 `charts/sovereign/files/operator-rbac-rules.yaml`, authenticated with its token). Each test gets
 its own namespace. Everything talks to the cluster through the kubectl built next to it.
 
+Namespaces made by `namespace`, `module_namespace` and `fresh_namespace` send their pods to kwok's
+fake nodes (`FAKE_NODES_ANNOTATIONS`), so the operator-behaviour tests get instant fake pods whether
+or not the local cluster has its real node; `real_node_namespace` gives one whose non-GPU pods run on
+the real node (kubelet, containerd), skipped with the reason where this machine cannot run one;
+`real_node_runtime_image` builds the runtime image here (cached) and imports it into that node, so the
+operator's own pods run there (tests/cluster/test_real_pods.py).
+
 On a cluster whose pods really run (kind: `e2e/kind/up.sh test`), SOVEREIGN_TEST_OPERATOR=external
 uses the operator already installed there (the chart's Deployment, found by
 SOVEREIGN_OPERATOR_NAMESPACE and SOVEREIGN_OPERATOR_SELECTOR) instead of starting one. Tests that
@@ -32,16 +39,22 @@ import pytest
 from cluster_helpers import (
     CLUSTER_SH,
     CRD_DIR,
+    REAL_NODE_UNSUPPORTED,
     REPO,
     ExternalOperator,
     Kubectl,
     OperatorHandle,
     OperatorProcess,
+    create_namespace,
     has_fake_gpu_nodes,
     local_kubeconfig,
     make_operator_kubeconfig,
     reachable,
+    real_node,
+    wait_for,
 )
+from local_images import build_local_images
+from sovereign_operator.api.spec import DEFAULT_RUNTIME_IMAGE
 
 # Every namespace of this session starts with this prefix and the session's operator watches only
 # those, so two sessions on one cluster (CI retries, engineers sharing .cluster) never fight.
@@ -106,14 +119,16 @@ def kube() -> Kubectl:
 
 
 @contextmanager
-def fresh_namespace(kube: Kubectl, label: str) -> Iterator[str]:
+def fresh_namespace(kube: Kubectl, label: str, *, fake_nodes: bool = True) -> Iterator[str]:
     """Create a namespace named after `label`; delete it afterwards and wait until it is gone.
+    Its pods go to kwok's fake nodes unless `fake_nodes` is False (then: the real node, GPU pods
+    excepted).
 
     Waiting matters: the fake GPU nodes are few, and the next test needs their GPUs free.
     """
     base = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:40].strip("-")
     name = f"{SESSION_PREFIX}{base}-{secrets.token_hex(3)}"
-    kube.run("create", "namespace", name)
+    create_namespace(kube, name, fake_nodes=fake_nodes)
     try:
         yield name
     finally:
@@ -134,6 +149,58 @@ def module_namespace(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[
     """One namespace for a module whose tests leave nothing behind (e.g. rejected creates)."""
     with fresh_namespace(kube, request.module.__name__.rsplit(".", 1)[-1]) as name:
         yield name
+
+
+@pytest.fixture(scope="session")
+def real_node_name(kube: Kubectl) -> str:
+    """The local cluster's real node (kubelet + containerd). Skipped, with the reason, where this
+    machine cannot run one (not root, no cgroups/overlayfs/namespaces); a node that should be there
+    and is not fails the test instead."""
+    if not kube.local:
+        pytest.skip("needs the local cluster's real node (this is another cluster)")
+    status, out = real_node()
+    if status == REAL_NODE_UNSUPPORTED:
+        pytest.skip(f"this machine cannot run the local cluster's real node: {out}")
+    assert status == 0, f"the local cluster's real node is down: {out}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_node_namespace(kube: Kubectl, real_node_name: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace as a user makes one (no annotations): its non-GPU pods run on the real node."""
+    with fresh_namespace(kube, request.module.__name__.rsplit(".", 1)[-1], fake_nodes=False) as name:
+        yield name
+
+
+@pytest.fixture(scope="session")
+def real_node_runtime_image(real_node_name: str) -> str:
+    """The runtime image built on this machine (e2e/images/build.sh: cached, a warm build is a no-op)
+    imported into the real node (`cluster.sh import-image`: a no-op when the node holds it), under the
+    reference the operator renders by default, so the pods of a plain `LLMDeployment` find it."""
+    if os.geteuid() != 0:  # the real node needs root too; this says what else needs it
+        pytest.skip("building the local images needs root (debootstrap, chroot)")
+    image = build_local_images()["images"]["runtime"]
+    assert image["ref"] == DEFAULT_RUNTIME_IMAGE, (image["ref"], DEFAULT_RUNTIME_IMAGE)
+    imported = subprocess.run(
+        [str(CLUSTER_SH), "import-image", image["archive"]], capture_output=True, text=True, timeout=1200
+    )
+    assert imported.returncode == 0, imported.stdout[-2000:] + imported.stderr[-2000:]
+    return str(image["ref"])
+
+
+@pytest.fixture
+def real_pods_namespace(
+    kube: Kubectl, real_node_name: str, real_node_runtime_image: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A namespace as a user makes one, per test, for the operator's pods on the real node (with the
+    runtime image imported there): pods of one test never hold the node's two CPUs while the next
+    one starts."""
+    with fresh_namespace(kube, request.node.name, fake_nodes=False) as name:
+        yield name
+        # The deployments first, then the namespace once their pods are gone: deleted together, the
+        # namespace controller waits out the pods' grace periods before it looks again (80 s here).
+        kube.run("delete", "llmd", "--all", "-n", name, "--wait=true", timeout=120)
+        wait_for(f"the pods of {name} to be gone", lambda: not kube.items("pods", "-n", name), timeout=180)
 
 
 @pytest.fixture(scope="session")

@@ -334,47 +334,35 @@ def test_a_deleted_namespace_ends_the_download_rounds(
 # ---- the Job for real --------------------------------------------------------------------------
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RUNTIME_IMAGE = "ghcr.io/sovereign-ai/sovereign-runtime:0.1.0"
 
 
-@pytest.fixture
-def real_node(kube: Kubectl) -> dict[str, Any]:
-    """A Ready node with a kubelet (not one of kwok's fakes) that holds the runtime image.
-
-    The local control plane gets one with issue 11 (wt/node: a kubelet with containerd beside the
-    kwok nodes; wt/images: the runtime image built and imported locally). Until then: skipped."""
-    for node in kube.items("nodes"):
-        if (node["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/node") == "fake":
-            continue
-        ready = next((c for c in node["status"].get("conditions", []) if c["type"] == "Ready"), None)
-        if not ready or ready["status"] != "True":
-            continue
-        images = {name for image in node["status"].get("images", []) for name in image.get("names", [])}
-        if RUNTIME_IMAGE not in images:
-            pytest.skip(
-                f"the real node {node['metadata']['name']} does not hold {RUNTIME_IMAGE} (issue 11, wt/images)"
-            )
-        return dict(node)
-    pytest.skip(
-        "needs a real kubelet node in the cluster (issue 11, wt/node); kwok's fake nodes run no containers"
-    )
+def host_address_for_pods(kube: Kubectl) -> str:
+    """The address at which pods reach this machine: the apiserver's advertise address (the host side
+    of the real node's veth on the local cluster), the endpoint of the `kubernetes` Service."""
+    (slice_,) = kube.items("endpointslices", "-n", "default", "-l", "kubernetes.io/service-name=kubernetes")
+    return str(slice_["endpoints"][0]["addresses"][0])
 
 
 def test_download_job_runs_to_completion_on_a_real_node(
-    kube: Kubectl, operator: OperatorHandle, namespace: str, real_node: dict[str, Any], tmp_path: Path
+    kube: Kubectl,
+    operator: OperatorHandle,
+    real_pods_namespace: str,
+    real_node_name: str,
+    real_node_runtime_image: str,
+    tmp_path: Path,
 ) -> None:
     """The real Job against tests/hubserver.py: resolve, download, verify, then a pool serves it."""
     from sovereign_runtime import builtin
 
-    node = real_node["metadata"]["name"]
-    address = next(a["address"] for a in real_node["status"]["addresses"] if a["type"] == "InternalIP")
+    namespace, node = real_pods_namespace, real_node_name
+    address = host_address_for_pods(kube)
     checkpoint = builtin.resolve_builtin("builtin:sovereign-tiny")
     hub = subprocess.Popen(
         [
             sys.executable,
             str(REPO_ROOT / "tests" / "hubserver.py"),
             "--repo",
-            f"sovereign-ai/tiny={checkpoint}",
+            f"sovereign-ai/tiny-v3={checkpoint}",
             "--private",
             "--token",
             "hf_node_test",
@@ -423,7 +411,7 @@ def test_download_job_runs_to_completion_on_a_real_node(
         )
         spec = hf_spec(pv)
         spec["model"]["source"]["huggingFace"]["endpoint"] = endpoint
-        spec["runtime"]["image"] = RUNTIME_IMAGE
+        spec["runtime"]["image"] = real_node_runtime_image
         spec["decode"]["nodeSelector"] = {"kubernetes.io/hostname": node}
         kube.apply(llmd("real", spec), namespace)
         model = wait_for(

@@ -168,7 +168,8 @@ def test_a_two_pod_tensor_parallel_group_of_the_tiny_model_serves_through_the_en
         pytest.skip(
             "needs the local control plane's real kubelet node (fixture real_node, issue 11): kwok's nodes run no containers"
         )
-    from test_tiny_serves import demo_ask, port_forward
+    from cluster_helpers import port_forward
+    from test_tiny_serves import demo_ask
 
     manifest = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
     manifest["metadata"]["name"] = "tiny-tp2"

@@ -35,6 +35,7 @@ from cluster_helpers import (
     OperatorProcess,
     audit_log_path,
     audited_writes,
+    create_namespace,
     llmd,
     make_operator_kubeconfig,
     wait_for,
@@ -155,7 +156,7 @@ def wait_for_standby(proc: OperatorProcess, or_leader: bool = False) -> None:
 def ha_namespace(kube: Kubectl, operator_kubeconfig: Path) -> Iterator[str]:
     # operator_kubeconfig: the session's fixture has created the chart's ClusterRole.
     name = f"ha-{secrets.token_hex(3)}"
-    kube.run("create", "namespace", name)
+    create_namespace(kube, name, fake_nodes=True)
     rules = yaml.safe_load(LEASE_RULES.read_text())
     kube.apply(
         {

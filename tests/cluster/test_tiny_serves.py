@@ -10,16 +10,11 @@ ask questions whose answers can be checked, so a model that only produces text d
 from __future__ import annotations
 
 import importlib.util
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import ModuleType
 
 import pytest
-from cluster_helpers import EXAMPLES, KUBECTL, REPO, Kubectl, OperatorHandle, wait_ready
+from cluster_helpers import EXAMPLES, REPO, Kubectl, OperatorHandle, port_forward, wait_ready
 
 pytestmark = pytest.mark.cluster
 
@@ -45,32 +40,6 @@ def pods_are_fake(kube: Kubectl, ns: str) -> bool:
         kube.get("node", node)["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") == "fake"
         for node in nodes
     )
-
-
-@contextmanager
-def port_forward(kube: Kubectl, ns: str, service: str, port: int) -> Iterator[str]:
-    """`kubectl port-forward service/<service>` to a free local port; yields its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local = s.getsockname()[1]
-    cmd = [KUBECTL, "--kubeconfig", str(kube.kubeconfig), "port-forward", "-n", ns]
-    proc = subprocess.Popen(
-        [*cmd, f"service/{service}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (
-                f"port-forward exited: {proc.stderr.read().decode() if proc.stderr else ''}"
-            )
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", local)) == 0:
-                    break
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{local}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_tiny_example_answers_checkable_questions(

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
+from local_images import CACHE, build_local_images
 from packaging_helpers import REPO
 from sovereign_runtime.builtin.tasks import check_answer, make_questions
 from test_images import IMAGES as DOCKERFILES
@@ -40,7 +41,6 @@ pytestmark = [
     ),
 ]
 
-CACHE = REPO / ".cache" / "images"
 WORK = CACHE / "test-runs"
 FIELDS = {"metadata.name": "tiny-unified-0", "metadata.namespace": "default", "status.podIP": "127.0.0.1"}
 
@@ -55,11 +55,7 @@ def images_module(name: str) -> ModuleType:
 @pytest.fixture(scope="module")
 def built() -> dict[str, Any]:
     """The build's manifest (images.json) after e2e/images/build.sh (a no-op when nothing changed)."""
-    result = subprocess.run(
-        [str(REPO / "e2e" / "images" / "build.sh")], capture_output=True, text=True, timeout=3600, check=False
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((CACHE / "images.json").read_text())
+    return build_local_images()
 
 
 @pytest.fixture(scope="module")

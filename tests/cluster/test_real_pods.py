@@ -1,0 +1,270 @@
+"""The operator's pods on the local cluster's real node: the kubelet runs the runtime image built on
+this machine, with the probes, hooks and grace periods the operator rendered.
+
+- `examples/tiny.yaml` as a user applies it: the pods start from the local image, turn Ready through
+  the real startup and readiness probes, the `LLMDeployment` turns Ready with them, and the built-in
+  model answers checkable questions through `status.endpoint` (router Service -> worker) with the
+  official `openai` client, through `kubectl port-forward` to 127.0.0.1.
+- Scale-down under streaming load: `decode.replicas` 2 -> 1 while clients stream through the
+  endpoint; no request fails, the removed pod's preStop hook drains it (its log says so) and it exits
+  inside its grace period.
+- JIT-aware startup on a kubelet: the runtime held in its `compiling` phase (a test-only flag) longer
+  than a short `startup.budgetSeconds` is restarted by the kubelet and the operator's Warning event
+  names the phase; a budget that covers the hold starts the same pod without a restart.
+
+The session fixtures build the images when they are missing (cached) and import the runtime image into
+the node. Skipped, with the reason, only where this machine cannot run the real node or build images.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import yaml
+from cluster_helpers import (
+    EXAMPLES,
+    KUBECTL,
+    Kubectl,
+    OperatorHandle,
+    get_llmd,
+    llmd,
+    port_forward,
+    wait_for,
+    wait_ready,
+)
+from openai import OpenAI
+from sovereign_runtime.builtin.tasks import check_answer, make_questions
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+INSTANCE = "app.kubernetes.io/instance"
+# Two engineers' jobs share these 2-core machines: a cold start of the tiny pod takes 10-60 s.
+READY_TIMEOUT = 240
+# Small CPU requests, so two workers and a router fit on the node beside CoreDNS (2 CPUs).
+SMALL = {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+
+
+def tiny_spec(replicas: int = 1, **runtime: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())["spec"]
+    spec["decode"]["replicas"] = replicas
+    spec["runtime"] = {**spec["runtime"], "resources": SMALL, **runtime}
+    return spec
+
+
+def endpoint_service(obj: dict[str, Any]) -> tuple[str, int]:
+    """(Service name, port) of ``status.endpoint``, e.g. http://tiny-router.ns.svc.cluster.local:8000/v1."""
+    endpoint = obj["status"]["endpoint"]
+    host, port = endpoint.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)
+    return host.split(".", 1)[0], int(port)
+
+
+def pods_of(kube: Kubectl, ns: str, name: str) -> list[dict[str, Any]]:
+    return kube.items("pods", "-n", ns, "-l", f"{INSTANCE}={name}")
+
+
+def worker_pods(kube: Kubectl, ns: str, name: str) -> list[dict[str, Any]]:
+    """The unified pool's pods (the router's are not counted), minus those already terminating."""
+    pods = kube.items("pods", "-n", ns, "-l", f"{INSTANCE}={name},app.kubernetes.io/component=unified")
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    return sum(s.get("restartCount", 0) for s in pod.get("status", {}).get("containerStatuses", []))
+
+
+def wait_for_server(client: OpenAI, timeout: float = 120) -> None:
+    """The router answers /v1/models once it knows a worker (port-forward may need a moment)."""
+    wait_for("the endpoint to list the model", lambda: _lists_models(client), timeout=timeout, interval=1)
+
+
+def _lists_models(client: OpenAI) -> bool:
+    try:
+        return bool(client.models.list().data)
+    except Exception:
+        return False
+
+
+def test_tiny_runs_on_the_real_node_and_answers_through_its_endpoint(
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, real_node_name: str
+) -> None:
+    ns = real_pods_namespace
+    applied = time.monotonic()
+    kube.run("apply", "-n", ns, "-f", str(EXAMPLES / "tiny.yaml"))
+    obj = wait_ready(kube, operator, ns, "tiny", timeout=READY_TIMEOUT)
+    ready_after = time.monotonic() - applied
+    pods = pods_of(kube, ns, "tiny")
+    assert {p["spec"]["nodeName"] for p in pods} == {real_node_name}, [
+        p["spec"].get("nodeName") for p in pods
+    ]
+    for pod in pods:
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["ready"] and status["state"].get("running"), status
+        assert status["imageID"], status  # a real runtime's image, not kwok's
+    (worker,) = worker_pods(kube, ns, "tiny")
+    assert restarts(worker) == 0, worker["status"]
+    # Status reports what the kubelet observed: the start took real seconds, within the budget.
+    observed = obj["status"]["pools"]["unified"]["observedStartupSeconds"]
+    assert 0 < observed <= obj["status"]["startupBudgetSeconds"], obj["status"]
+    print(f"\ntiny: kubectl apply -> Ready in {ready_after:.1f} s (observed start {observed} s)")
+
+    model = obj["spec"]["model"]["name"]
+    service, port = endpoint_service(obj)
+    with port_forward(kube, ns, service, port) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
+        wait_for_server(client)
+        questions = make_questions(4, seed=11)
+        answers = []
+        for question in questions:
+            reply = client.chat.completions.create(
+                model=model, messages=question.messages(), temperature=0, max_tokens=64
+            )
+            answers.append((question.prompt, reply.choices[0].message.content or ""))
+    correct = [a for q, a in zip(questions, answers, strict=True) if check_answer(q, a[1])]
+    # The built-in model scores about 99 % on these tasks; greedy answers are deterministic.
+    assert len(correct) >= len(questions) - 1, answers
+
+
+@dataclass
+class StreamingLoad:
+    """Clients streaming chat completions through the endpoint until stopped."""
+
+    client: OpenAI
+    model: str
+    clients: int = 3
+    completed: int = 0
+    failures: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(self.clients)]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _loop(self, seed: int) -> None:
+        questions = make_questions(50, seed=100 + seed)
+        n = 0
+        while not self.stop.is_set():
+            question = questions[n % len(questions)]
+            n += 1
+            try:
+                finished = None
+                stream = self.client.chat.completions.create(
+                    model=self.model, messages=question.messages(), max_tokens=32, temperature=0, stream=True
+                )
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finished = chunk.choices[0].finish_reason
+                if finished is None:
+                    raise RuntimeError("the stream ended without a finish_reason")
+                with self.lock:
+                    self.completed += 1
+            except Exception as error:  # every failure counts; the test prints them
+                with self.lock:
+                    self.failures.append(f"{type(error).__name__}: {error}")
+
+
+def test_scale_down_under_streaming_load_drains_and_loses_no_request(
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str
+) -> None:
+    ns, name = real_pods_namespace, "drain"
+    kube.apply(llmd(name, tiny_spec(replicas=2)), ns)
+    obj = wait_ready(kube, operator, ns, name, timeout=READY_TIMEOUT)
+    leaving = f"{name}-unified-1"
+    service, port = endpoint_service(obj)
+    # The leaving pod's log, followed from now on: it ends when the container exits.
+    logs = subprocess.Popen(
+        [KUBECTL, "--kubeconfig", str(kube.kubeconfig), "logs", "-f", "-n", ns, leaving],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        with port_forward(kube, ns, service, port) as base:
+            client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+            wait_for_server(client)
+            load = StreamingLoad(client, obj["spec"]["model"]["name"])
+            threads = load.run()
+            wait_for("streams to complete", lambda: load.completed >= 6, timeout=120, interval=0.5)
+            kube.run(
+                "patch", "llmd", name, "-n", ns, "--type=merge", "-p", '{"spec":{"decode":{"replicas":1}}}'
+            )
+            deleted = time.monotonic()
+            wait_for(
+                f"{leaving} to be gone",
+                lambda: kube.get_or_none("pod", "-n", ns, leaving) is None,
+                timeout=180,
+            )
+            gone_after = time.monotonic() - deleted
+            before = load.completed
+            # New requests keep succeeding on the remaining pod.
+            wait_for("streams after the scale-down", lambda: load.completed >= before + 6, timeout=120)
+            load.stop.set()
+            for thread in threads:
+                thread.join(150)
+        log_text, _ = logs.communicate(timeout=30)
+    finally:
+        if logs.poll() is None:
+            logs.kill()
+    assert not load.failures, load.failures[:5]
+    assert load.completed >= 12
+    grace = kube.get("statefulset", "-n", ns, f"{name}-unified")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
+    assert gone_after < grace, (gone_after, grace)
+    assert "drain finished" in log_text and "in-flight request(s) completed" in log_text, log_text[-2000:]
+    (remaining,) = worker_pods(kube, ns, name)
+    assert remaining["metadata"]["name"] == f"{name}-unified-0"
+    print(
+        f"\ndrain: {load.completed} streams, 0 failed; {leaving} gone {gone_after:.1f} s after the scale-down"
+    )
+
+
+HOLD_S = 45
+
+
+def test_a_jit_hold_longer_than_a_short_budget_restarts_the_pod_and_names_the_phase(
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str
+) -> None:
+    ns = real_pods_namespace
+    hold = ["--enable-fault-injection", "--debug-hold-compiling-s", str(HOLD_S)]
+    # Both at once (half the wall time): one budget shorter than the hold, one that covers it.
+    kube.apply(llmd("short", {**tiny_spec(args=hold), "startup": {"budgetSeconds": 25}}), ns)
+    kube.apply(llmd("covered", {**tiny_spec(args=hold), "startup": {"budgetSeconds": 150}}), ns)
+
+    def startup_kill_event() -> dict[str, Any] | None:
+        events = kube.items("events", "-n", ns, "--field-selector", "involvedObject.name=short")
+        return next((e for e in events if e["reason"] == "StartupProbeFailed"), None)
+
+    event = wait_for("the StartupProbeFailed event", startup_kill_event, timeout=READY_TIMEOUT, interval=1)
+    assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "LLMDeployment", event
+    assert "phase compiling" in event["message"], event["message"]
+    assert "spec.startup.budgetSeconds (" in event["message"], event["message"]
+    (short,) = worker_pods(kube, ns, "short")
+    assert restarts(short) >= 1, short["status"]
+    # The kubelet's own record of why: the startup probe failed.
+    kubelet_events = kube.items(
+        "events", "-n", ns, "--field-selector", f"involvedObject.name={short['metadata']['name']}"
+    )
+    assert any(
+        e["reason"] == "Unhealthy" and "Startup probe failed" in e["message"] for e in kubelet_events
+    ), [(e["reason"], e["message"]) for e in kubelet_events]
+
+    obj = wait_ready(kube, operator, ns, "covered", timeout=READY_TIMEOUT)
+    (covered,) = worker_pods(kube, ns, "covered")
+    assert restarts(covered) == 0, covered["status"]
+    observed = obj["status"]["pools"]["unified"]["observedStartupSeconds"]
+    assert HOLD_S <= observed <= 150, obj["status"]
+    degraded = [
+        c for c in get_llmd(kube, ns, "short")["status"].get("conditions", []) if c["type"] == "Degraded"
+    ]
+    print(
+        f"\njit hold: covered start {observed} s, short restarted {restarts(short)}x; {json.dumps(degraded)}"
+    )
