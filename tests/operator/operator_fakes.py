@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiohttp import web
+from lightkube import KubeConfig
 from sovereign_operator.cache import APPLIED_DIGEST
 from sovereign_operator.modeldownload import JobView
 from sovereign_operator.observe import Observed
@@ -162,3 +165,26 @@ def body_for(spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
         "metadata": {"name": "llm", "namespace": "ns", "uid": "uid-1", "generation": generation},
         "spec": copy.deepcopy(spec),
     }
+
+
+async def serve_fake_apiserver(
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]], method: str = "GET"
+) -> tuple[web.AppRunner, KubeConfig]:
+    """An aiohttp server on 127.0.0.1 answering every path with `handle`, and a kubeconfig for it.
+    The caller cleans the runner up."""
+    app = web.Application()
+    app.router.add_route(method, "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    config = KubeConfig.from_dict(
+        {
+            "clusters": [{"name": "fake", "cluster": {"server": f"http://{host}:{port}"}}],
+            "users": [{"name": "test", "user": {"token": "t"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "test"}}],
+            "current-context": "fake",
+        }
+    )
+    return runner, config

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from lightkube import AsyncClient, KubeConfig
+from lightkube import AsyncClient
+from operator_fakes import serve_fake_apiserver
 from sovereign_operator.cache import CHILD_KINDS, ClusterCache
 from sovereign_operator.informer import Informer, namespace_served
 
@@ -97,21 +98,7 @@ def test_lists_watches_and_after_a_410_lists_again_and_delivers_what_went_meanwh
         return response
 
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        config = KubeConfig.from_dict(
-            {
-                "clusters": [{"name": "fake", "cluster": {"server": f"http://{host}:{port}"}}],
-                "users": [{"name": "test", "user": {"token": "t"}}],
-                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "test"}}],
-                "current-context": "fake",
-            }
-        )
+        runner, config = await serve_fake_apiserver(handle)
         client = AsyncClient(config=config, trust_env=False)
         cache = ClusterCache()
         cache.put(_pod("elsewhere", "1", namespace="ns2"))
@@ -167,21 +154,7 @@ def test_a_kind_the_apiserver_does_not_serve_counts_as_synced_and_empty() -> Non
         )
 
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        config = KubeConfig.from_dict(
-            {
-                "clusters": [{"name": "fake", "cluster": {"server": f"http://{host}:{port}"}}],
-                "users": [{"name": "test", "user": {"token": "t"}}],
-                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "test"}}],
-                "current-context": "fake",
-            }
-        )
+        runner, config = await serve_fake_apiserver(handle)
         client = AsyncClient(config=config, trust_env=False)
         groups = next(k for k in CHILD_KINDS if k.kind == "LeaderWorkerSet")
         informer = Informer(client, groups, ClusterCache(), lambda ns: True, lambda event, obj: None)

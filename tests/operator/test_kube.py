@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from lightkube import AsyncClient, KubeConfig
+from lightkube import AsyncClient
+from operator_fakes import serve_fake_apiserver
 from sovereign_operator.cache import ClusterCache
 from sovereign_operator.kube import Kube
 
@@ -129,21 +130,7 @@ async def _with_fake_apiserver(
             return _json(_list(kind, "v1", []))
         return _json({}, status=500)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    config = KubeConfig.from_dict(
-        {
-            "clusters": [{"name": "fake", "cluster": {"server": f"http://{host}:{port}"}}],
-            "users": [{"name": "test", "user": {"token": "t"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "test"}}],
-            "current-context": "fake",
-        }
-    )
+    runner, config = await serve_fake_apiserver(handle, "*")
     kube = Kube(AsyncClient(config=config, field_manager="sovereign-operator", trust_env=False), cache=cache)
     try:
         await scenario(kube, requests)
