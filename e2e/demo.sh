@@ -82,7 +82,7 @@ ask_the_endpoint() {
   nohup "$bin/kubectl" --kubeconfig "$kubeconfig" port-forward -n "$ns" "service/$service" \
     "$local_port:$port" --address 127.0.0.1 >"$pf_log" 2>&1 &
   echo $! >"$pf_pidfile"
-  for i in $(seq 1 30); do
+  for _ in $(seq 1 30); do
     grep -q "Forwarding from" "$pf_log" 2>/dev/null && break
     kill -0 "$(cat "$pf_pidfile")" 2>/dev/null || { echo "demo: port-forward exited: $(cat "$pf_log")" >&2; exit 1; }
     sleep 0.5
