@@ -155,37 +155,3 @@ def test_deleting_a_worker_pod_recreates_its_group(
     obj = wait_ready(kube, operator, namespace, name, timeout=120)
     assert obj["status"]["pools"]["decode"]["groups"][0]["readyMembers"] == 2
     assert get_llmd(kube, namespace, name)["status"]["pools"]["decode"]["nodesPerReplica"] == 2
-
-
-def test_a_two_pod_tensor_parallel_group_of_the_tiny_model_serves_through_the_endpoint(
-    kube: Kubectl, operator: OperatorHandle, namespace: str, request: pytest.FixtureRequest
-) -> None:
-    """Where pods really run: TP 2 over two pods (one rank each), meeting at the leader's address that
-    LeaderWorkerSet gives them, answering through the router's Service."""
-    try:
-        node = request.getfixturevalue("real_node")  # the local cluster's kubelet node (issue 11)
-    except pytest.FixtureLookupError:
-        pytest.skip(
-            "needs the local control plane's real kubelet node (fixture real_node, issue 11): kwok's nodes run no containers"
-        )
-    from cluster_helpers import port_forward
-    from test_tiny_serves import demo_ask
-
-    manifest = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
-    manifest["metadata"]["name"] = "tiny-tp2"
-    manifest["spec"]["decode"] = {"replicas": 1, "nodesPerReplica": 2, "nodeParallelism": "tensor"}
-    if isinstance(node, str):
-        manifest["spec"]["decode"]["nodeSelector"] = {"kubernetes.io/hostname": node}
-    kube.apply(manifest, namespace)
-    obj = wait_ready(kube, operator, namespace, "tiny-tp2", timeout=900)
-    members = groups_ready(kube, namespace, "tiny-tp2", "unified", 1, 2)
-    assert members is not None
-    args = members[0]["spec"]["containers"][0]["args"]
-    assert args[args.index("--tensor-parallel-size") + 1] == "2" and args[args.index("--nnodes") + 1] == "2"
-    client = demo_ask()
-    endpoint = obj["status"]["endpoint"]
-    service = endpoint.removeprefix("http://").split(".")[0]
-    with port_forward(kube, namespace, service, int(endpoint.rsplit(":", 1)[-1].split("/")[0])) as base:
-        client.wait_ready(base, timeout_s=120)
-        answers = client.ask(base, obj["spec"]["model"]["name"])
-    assert len([a for a in answers if a.correct]) >= len(answers) - 1, answers
