@@ -4,7 +4,8 @@ The tiny deployment's pool is autoscaled on queued requests (`decode.autoscaling
 with the default metrics source: the operator (a process on this machine, which routes to the node's pod
 network) scrapes each ready runtime pod's `/metrics`. Each worker runs one sequence at a time
 (`--max-num-seqs 1`), so clients streaming through `status.endpoint` queue in the runtime: the pool rises to
-its maximum; once the clients stop the queue empties and the pool comes back to its minimum after the
+its maximum (six clients: about two queued per pod at the maximum, so the gaps between one client's
+requests never make the loaded pool look idle); once the clients stop the queue empties and the pool comes back to its minimum after the
 (short, from spec) scale-down window. Every decision is in `status.pools.unified.autoscaler` and an Event;
 `spec` never changes.
 """
@@ -91,7 +92,7 @@ def test_load_through_the_endpoint_scales_the_pool_up_and_its_removal_down(
     with port_forward(kube, ns, service, port) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
         wait_for_server(client)
-        load = StreamingLoad(client, obj["spec"]["model"]["name"], clients=4)
+        load = StreamingLoad(client, obj["spec"]["model"]["name"], clients=6)
         threads = load.run()
         loaded_at = time.monotonic()
         try:
@@ -100,20 +101,23 @@ def test_load_through_the_endpoint_scales_the_pool_up_and_its_removal_down(
             up = autoscaler(kube, ns)
             assert up["history"][-1]["to"] == 2 and up["history"][-1]["signal"] == "requests_waiting", up
             wait_for("the second pod Ready", lambda: ready_workers(kube, ns) == 2, timeout=READY_TIMEOUT)
+            serving_after = time.monotonic() - loaded_at
             # Loaded and at its maximum, the pool stays there while the clients stream.
             served = load.completed
             wait_for("streams on two pods", lambda: load.completed >= served + 8, timeout=120, interval=1)
             assert replicas(kube, ns) == 2
         finally:
+            # No new request from here on; those in flight and queued still finish (the join).
+            stopped_at = time.monotonic()
             load.stop.set()
             for thread in threads:
                 thread.join(150)
     assert not load.failures, load.failures[:5]
-    stopped_at = time.monotonic()
 
     wait_for("the scale-down to 1", lambda: replicas(kube, ns) == 1, timeout=120, interval=1)
     down_after = time.monotonic() - stopped_at
-    # Not before the window: the last loaded round was at most one interval before the clients stopped.
+    # Not before the window: the queues were full until the clients stopped, so a round at most one
+    # interval before that recommended 2, and the window keeps it for 15 s.
     assert down_after >= SCALE_DOWN_WINDOW_S - INTERVAL_S, down_after
     obj = get_llmd(kube, ns, NAME)
     auto = obj["status"]["pools"]["unified"]["autoscaler"]
@@ -122,11 +126,14 @@ def test_load_through_the_endpoint_scales_the_pool_up_and_its_removal_down(
     events = kube.items("events", "-n", ns, "--field-selector", f"involvedObject.name={NAME}")
     messages = {e["reason"]: e["message"] for e in events if e["reason"] in ("ScaledUp", "ScaledDown")}
     assert "requests_waiting" in messages.get("ScaledUp", ""), messages
-    assert "ScaledDown" in messages, messages
+    assert f"highest recommendation over {SCALE_DOWN_WINDOW_S}s is 1" in messages.get("ScaledDown", ""), (
+        messages
+    )
     # GitOps: the decisions live in status, the StatefulSet and Events, never in spec.
     assert obj["spec"] == before
     print(
         f"\nautoscaling from the pods' /metrics: {load.completed} streams, 0 failed; 1 -> 2 replicas "
-        f"{up_after:.0f} s after the load began, 2 -> 1 {down_after:.0f} s after it stopped; "
+        f"{up_after:.0f} s after the load began (both pods Ready after {serving_after:.0f} s), "
+        f"2 -> 1 {down_after:.0f} s after it stopped; "
         f"events: {messages}"
     )
