@@ -14,6 +14,8 @@ from cluster_helpers import DEEPSEEK_V3_FP8, Kubectl, OperatorHandle, get_llmd, 
 
 pytestmark = [pytest.mark.cluster, pytest.mark.fake_gpu_nodes]
 
+GPU_PRODUCT = "nvidia.com/gpu.product"
+
 
 def startup_threshold(sts: dict[str, Any]) -> int:
     return int(sts["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["failureThreshold"])
@@ -22,9 +24,17 @@ def startup_threshold(sts: dict[str, Any]) -> int:
 def test_starts_are_learned_and_the_budget_comes_with_the_next_rollout(
     kube: Kubectl, operator: OperatorHandle, namespace: str
 ) -> None:
-    spec: dict[str, Any] = {**copy.deepcopy(DEEPSEEK_V3_FP8), "mode": "unified", "decode": {"replicas": 1}}
+    # The local cluster has two GPU products (kwok's H200 and H100 nodes, equally free to the scheduler):
+    # pinned, the start is a sample of one known node type, wherever earlier tests left pods.
+    decode = {"replicas": 1, "nodeSelector": {GPU_PRODUCT: "NVIDIA-H200"}}
+    spec: dict[str, Any] = {**copy.deepcopy(DEEPSEEK_V3_FP8), "mode": "unified", "decode": decode}
     kube.apply(llmd("ds", spec), namespace)
     wait_ready(kube, operator, namespace, "ds")
+    [pod] = kube.items(
+        "pods", "-n", namespace, "-l", "app.kubernetes.io/instance=ds,app.kubernetes.io/component=unified"
+    )
+    node = kube.get("node", pod["spec"]["nodeName"])
+    assert node["metadata"]["labels"][GPU_PRODUCT] == "NVIDIA-H200", pod["spec"]["nodeName"]
 
     def observed() -> dict[str, Any] | None:
         status = get_llmd(kube, namespace, "ds").get("status") or {}
@@ -62,7 +72,7 @@ def test_starts_are_learned_and_the_budget_comes_with_the_next_rollout(
             else None
         )
 
-    budget = wait_for("the learned budget in force", applied, timeout=60)
+    budget = wait_for("the learned budget in force", applied, timeout=120)
     assert (budget["seconds"], budget["samples"], budget["nodeType"]) == (learned, 1, "NVIDIA-H200")
     assert budget["reason"].startswith("learned from 1 observed starts: p95")
     sts = kube.get("statefulset", "ds-unified", "-n", namespace)
