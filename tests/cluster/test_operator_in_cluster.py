@@ -402,7 +402,8 @@ def test_the_leading_operator_dies_mid_rollout_and_it_converges_without_orphans_
     assert not rollout_done(kube, ns, rollout), kube.get("statefulset", "-n", ns, "tiny-unified")["status"]
 
     obj = wait_ready(kube, op.handle, ns, "tiny", timeout=READY_TIMEOUT)
-    wait_for("the rollout to finish", lambda: rollout_done(kube, ns, rollout), timeout=READY_TIMEOUT)
+    # Two pod starts one after the other (the StatefulSet's ordered rollout) and a drain.
+    wait_for("the rollout to finish", lambda: rollout_done(kube, ns, rollout), timeout=2 * READY_TIMEOUT)
     converged = time.monotonic() - killed
     wait_for("both operator pods Ready again", lambda: len(ready_operator_pods(op)) == 2, timeout=180)
     holder = op.leader()
