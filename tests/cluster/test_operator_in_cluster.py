@@ -147,14 +147,14 @@ def in_cluster_operator(
     suffix = secrets.token_hex(3)
     # Not the session's `t<hex>-` prefix: the session's local operator must not watch these.
     release, namespace, watched = f"sov-{suffix}", f"sov-system-{suffix}", f"sov-ic-{suffix}"
-    for name in (namespace, watched):
-        create_namespace(kube, name, fake_nodes=False)
-        kube.run("label", "namespace", name, *(f"{k}={v}" for k, v in RESTRICTED.items()))
     home = tmp_path_factory.mktemp("helm")
     values = home / "values.yaml"
     values.write_text(yaml.safe_dump(chart_values(str(image["ref"]), real_node_runtime_image, watched)))
     installed_at = time.time()
     try:
+        for name in (namespace, watched):
+            create_namespace(kube, name, fake_nodes=False)
+            kube.run("label", "namespace", name, *(f"{k}={v}" for k, v in RESTRICTED.items()))
         # --skip-crds: the session applied crds/ already (the chart's copy is the same file).
         installed = helm(
             kube,
@@ -188,7 +188,8 @@ def in_cluster_operator(
         uninstalled = helm(kube, home, "uninstall", release, "--namespace", namespace, "--wait")
         for name in (watched, namespace):
             kube.run("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False, timeout=150)
-        assert uninstalled.returncode == 0, uninstalled.stderr
+        # "not found": the setup failed before `helm install` made the release; its own error stands.
+        assert uninstalled.returncode == 0 or "not found" in uninstalled.stderr, uninstalled.stderr
 
 
 @pytest.fixture(scope="module")
