@@ -364,22 +364,23 @@ def audit_log_path(kube: Kubectl) -> Path | None:
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 
 
-def audited_writes(path: Path, user: str, since: float) -> list[dict[str, Any]]:
-    """Write requests `user` made since the wall-clock time `since` (seconds since the epoch)."""
+def audited_writes(path: Path, user: str | None, since: float) -> list[dict[str, Any]]:
+    """Write requests `user` (None: anyone) made since the wall-clock time `since` (seconds since the
+    epoch)."""
     return [e for e in audited_requests(path, user, since) if e.get("verb") in WRITE_VERBS]
 
 
-def audited_requests(path: Path, user: str, since: float) -> list[dict[str, Any]]:
-    """Requests `user` made since `since` as the audit log has them: every write, and the reads of
-    the operator's ServiceAccounts (e2e/cluster/kwok/audit-policy.yaml). A watch appears once when
-    it starts and once when it ends (the same auditID)."""
+def audited_requests(path: Path, user: str | None, since: float) -> list[dict[str, Any]]:
+    """Requests `user` (None: anyone) made since `since` as the audit log has them: every write, and
+    the reads of the operator's ServiceAccounts (e2e/cluster/kwok/audit-policy.yaml). A watch appears
+    once when it starts and once when it ends (the same auditID)."""
     out: list[dict[str, Any]] = []
     for line in path.read_text(errors="replace").splitlines():
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being written right now
-        if event.get("user", {}).get("username") != user:
+        if user is not None and event.get("user", {}).get("username") != user:
             continue
         stamp = event.get("requestReceivedTimestamp", "")
         if _epoch(stamp) >= since:
