@@ -1,7 +1,7 @@
 """The output guard's figures: its decode cost, false positives on clean traffic, the self-test's duration.
 
     nice -n 10 .venv/bin/python bench/output_guard.py cost [--repeats 10] [--tokens 128]
-    nice -n 10 .venv/bin/python bench/output_guard.py false-positives [--requests 10000]
+    nice -n 10 .venv/bin/python bench/output_guard.py false-positives [--requests 10000] [--self-test-interval 2]
     nice -n 10 .venv/bin/python bench/output_guard.py self-test [--repeats 5]
 
 ``cost``: decode tokens/s of one engine with the guard on (finite check on the sampler's sync, per-sequence
@@ -9,11 +9,22 @@ isolation in the step) and off (``LLMEngine.set_output_guard(False)``: the same 
 single stream and 16 streams, interleaved run by run (alternating which goes first) so load on a shared
 host hits both alike; best and median of ``--repeats``.
 
-``false-positives``: clean requests through the engine at batch sizes 1..64 (``max_num_seqs`` cycling
-through them, each wave filling the batch) with mixed sampling (greedy, temperature, top-k, top-p, seeds,
-logprobs), on the built-in fp32 model, a random FP8 block-quantised checkpoint and the built-in model in
-bf16; counts requests that ended with ``finish_reason == "error"`` (each one would be a false positive),
-plus self-test runs between waves that did not pass.
+``false-positives``: clean requests with mixed sampling (greedy, temperature, top-k, top-p, seeds,
+logprobs) at batch sizes cycling 1..64, split evenly over five paths:
+
+- unified, in process, on the built-in fp32 model, a random FP8 block-quantised checkpoint and the
+  built-in model in bf16: ``max_num_seqs`` cycles through 1..64 and each wave fills the batch; the
+  self-test runs on the same engine every 16 waves;
+- PD: ``serve --role prefill`` and ``serve --role decode`` processes (built-in model), each request sent
+  to the decode with ``kv_transfer_params`` as the router adds them, so the prompt is prefilled on the
+  prefill process and its KV sent over TCP; every answer must come from a transfer (``/health/kv``);
+- TP 2: one ``serve --tensor-parallel-size 2`` process (a leader and a gloo worker rank).
+
+On the served paths a wave is N concurrent ``/v1/completions`` requests (``--max-num-seqs 64``, so the
+wave shares the decode batch) and the servers' own periodic self-test runs every ``--self-test-interval``
+seconds meanwhile, as in production (skipped while the engine is saturated; the counts come from
+``/metrics``). A request that ends with ``finish_reason == "error"`` or a non-200 answer is a false
+positive; so is a self-test that did not pass.
 
 ``self-test``: the startup self-test's wall time on ``builtin:sovereign-tiny`` (after warm-up).
 
@@ -24,12 +35,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import re
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,7 +119,25 @@ def _mixed_params(rng: random.Random) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=0, min_tokens=1)
 
 
-def _paths() -> list[tuple[str, Path, torch.dtype | None]]:
+def _params_json(params: SamplingParams) -> dict[str, Any]:
+    """The same sampling as ``/v1/completions`` fields."""
+    body: dict[str, Any] = {"temperature": params.temperature, "max_tokens": params.max_tokens}
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.top_k not in (None, 0, -1):
+        body["top_k"] = params.top_k
+    if params.top_p != 1.0:
+        body["top_p"] = params.top_p
+    if params.logprobs is not None:
+        body["logprobs"] = params.logprobs
+    if params.min_tokens:
+        body["min_tokens"] = params.min_tokens
+    return body
+
+
+def _in_process_paths() -> list[tuple[str, Path, torch.dtype | None]]:
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
     from checkpoints import write_tiny_checkpoint
 
@@ -109,13 +149,22 @@ def _paths() -> list[tuple[str, Path, torch.dtype | None]]:
     ]
 
 
+SERVED_PATHS = ("PD: prefill + decode, KV over TCP (builtin)", "TP 2: leader + gloo worker rank (builtin)")
+
+
 def false_positives(args: argparse.Namespace) -> None:
     from sovereign_runtime.engine.async_engine import AsyncEngine
 
-    print("| path | requests | batch sizes | errors (false positives) | self-tests run / failed |")
-    print("| --- | --- | --- | --- | --- |")
-    per_path = args.requests // len(_paths())
-    for label, path, dtype in _paths():
+    print(
+        "| path | requests | batch sizes | errors (false positives) | self-tests run / failed (skipped while"
+        " saturated) | time, s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    notes: list[str] = []
+    paths = _in_process_paths()
+    per_path = args.requests // (len(paths) + len(SERVED_PATHS))
+    for label, path, dtype in paths:
+        started = time.perf_counter()
         rng = random.Random(14)
         errors = done = 0
         tests = failed = 0
@@ -143,7 +192,155 @@ def false_positives(args: argparse.Namespace) -> None:
                     async_engine.shutdown()
                 tests += 1
                 failed += not report.ok
-        print(f"| {label} | {done} | 1..64 | {errors} | {tests} / {failed} |")
+        elapsed = time.perf_counter() - started
+        print(f"| {label} | {done} | 1..64 | {errors} | {tests} / {failed} | {elapsed:.0f} |")
+    for label in SERVED_PATHS:
+        with ExitStack() as stack:
+            if label.startswith("PD"):
+                prefill = stack.enter_context(_serve(args, "--role", "prefill"))
+                decode = stack.enter_context(_serve(args, "--role", "decode", "--kv-port", str(_free_port())))
+                servers, target, prefill_url = [prefill, decode], decode, prefill
+            else:
+                target = stack.enter_context(_serve(args, "--tensor-parallel-size", "2"))
+                servers, prefill_url = [target], None
+            started = time.perf_counter()
+            done, errors, samples = asyncio.run(_served_waves(target, prefill_url, per_path))
+            elapsed = time.perf_counter() - started
+            health = [_self_test_counts(url) for url in servers]
+            kv = _get_json(target + "/health/kv") if prefill_url is not None else None
+        runs = sum(h["runs"] for h in health)
+        failures = sum(h["failures"] for h in health)
+        skipped = sum(h["skipped"] for h in health)
+        print(
+            f"| {label} | {done} | 1..64 | {errors} | {runs} / {failures} ({skipped} skipped) | {elapsed:.0f} |"
+        )
+        if kv is not None:  # every answer decoded from transferred KV, none prefilled locally
+            notes.append(
+                f"{label}: decode's /health/kv transfers_ok {kv.get('transfers_ok')}, fallbacks {kv.get('fallbacks')}"
+            )
+        notes += [f"{label}: error {sample}" for sample in samples]
+    print()
+    for note in notes:
+        print(f"- {note}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as err:
+        return dict(json.loads(err.read()))
+
+
+@contextmanager
+def _serve(args: argparse.Namespace, *flags: str) -> Iterator[str]:
+    """A ``serve`` process (built-in model, one torch thread per rank) until the block ends; its URL."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "sovereign_runtime", "serve", "--model", "builtin:sovereign-tiny",
+        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-num-seqs", "64",
+        "--self-test-interval", str(args.self_test_interval), "--log-level", "WARNING", *flags,
+    ]  # fmt: skip
+    scratch = tempfile.mkdtemp(prefix="sovereign-guard-bench-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": scratch, "PYTHONPATH": str(ROOT / "runtime")}
+    log = open(Path(scratch) / "serve.log", "wb")  # noqa: SIM115  (closed below, after the process)
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(flags)}: serve exited {proc.returncode}: {_tail(scratch)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(flags)}: serve not ready in 180 s: {_tail(scratch)}")
+            try:
+                with urllib.request.urlopen(url + "/health/ready", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)  # the serve process and its worker ranks (their own session)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
+        log.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _tail(scratch: str) -> str:
+    return (Path(scratch) / "serve.log").read_text(errors="replace")[-3000:]
+
+
+def _self_test_counts(url: str) -> dict[str, int]:
+    """Self-tests run (startup and periodic), skipped while saturated, and failed checks, from /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+
+    def total(name: str) -> int:
+        return int(sum(float(v) for v in re.findall(rf"^{name}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)))
+
+    return {
+        "runs": total("sovereign:self_test_runs"),
+        "skipped": total("sovereign:self_test_skipped"),
+        "failures": total("sovereign:self_test_failures"),
+    }
+
+
+async def _served_waves(url: str, prefill_url: str | None, total: int) -> tuple[int, int, list[str]]:
+    """``total`` requests in waves of 1..64 concurrent ones; (finished, errors, the first error texts)."""
+    import aiohttp
+
+    rng = random.Random(14)
+    vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
+    done = errors = 0
+    samples: list[str] = []
+    wave = 0
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=128)) as session:
+
+        async def one(body: dict[str, Any]) -> str | None:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                answer = await resp.json(content_type=None)
+            if resp.status != 200:
+                return f"HTTP {resp.status}: {json.dumps(answer)[:300]}"
+            reasons = [c.get("finish_reason") for c in answer["choices"]]
+            return None if "error" not in reasons else f"finish_reason error: {json.dumps(answer)[:300]}"
+
+        while done < total:
+            size = wave % 64 + 1
+            wave += 1
+            bodies = []
+            for _ in range(min(size, total - done)):
+                prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 24))]
+                body = {
+                    "model": "builtin:sovereign-tiny",
+                    "prompt": prompt,
+                    **_params_json(_mixed_params(rng)),
+                }
+                if prefill_url is not None:  # what the router adds for a pair
+                    body["kv_transfer_params"] = {
+                        "prefill_url": prefill_url,
+                        "room": f"fp{done + len(bodies)}",
+                    }
+                bodies.append(body)
+            for problem in await asyncio.gather(*(one(b) for b in bodies)):
+                done += 1
+                if problem is not None:
+                    errors += 1
+                    if len(samples) < 3:
+                        samples.append(problem)
+    return done, errors, samples
 
 
 _ENGINES: dict[tuple[str, str, int], LLMEngine] = {}
@@ -194,7 +391,10 @@ def main() -> None:
     c.add_argument("--repeats", type=int, default=10)
     c.add_argument("--tokens", type=int, default=128)
     f = sub.add_parser("false-positives")
-    f.add_argument("--requests", type=int, default=10_000)
+    f.add_argument("--requests", type=int, default=10_000, help="over all five paths, split evenly")
+    f.add_argument(
+        "--self-test-interval", type=float, default=2.0, help="the served paths' periodic self-test, seconds"
+    )
     s = sub.add_parser("self-test")
     s.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)

@@ -392,9 +392,16 @@ def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
             " --pipeline-parallel-size 1)"
         )
     try:
-        return FaultSpec.parse(args.inject_fault)
+        spec = FaultSpec.parse(args.inject_fault)
     except ValueError as exc:
         raise UsageError(f"serve: --inject-fault: {exc}") from None
+    hostname = socket.gethostname()
+    if not spec.engages_on(hostname):
+        log.warning(
+            "fault injection: on_host=%s is not this host (%s); serving without it", spec.on_host, hostname
+        )
+        return None
+    return spec
 
 
 def _env_count(name: str, low: int) -> int | None:

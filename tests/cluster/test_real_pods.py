@@ -8,6 +8,10 @@ this machine, with the probes, hooks and grace periods the operator rendered.
 - Scale-down under streaming load: `decode.replicas` 2 -> 1 while clients stream through the
   endpoint; no request fails, the removed pod's preStop hook drains it (its log says so) and it exits
   inside its grace period.
+- The output guard on a kubelet: of two pods, one gets a test-only fault (`on_host` limits it to that
+  pod) that engages after it is Ready; its periodic self-test fails, its readiness turns 503, it leaves
+  the Service's endpoints and the router's rotation, `OutputHealthy` names the pod and the failing check
+  with an Event, and every request through `status.endpoint` succeeds on the other pod meanwhile.
 - JIT-aware startup on a kubelet: the runtime held in its `compiling` phase (a test-only flag) longer
   than a short `startup.budgetSeconds` is restarted by the kubelet and the operator's Warning event
   names the phase; a budget that covers the hold starts the same pod without a restart.
@@ -19,9 +23,11 @@ the node. Skipped, with the reason, only where this machine cannot run the real 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +38,7 @@ from cluster_helpers import (
     KUBECTL,
     Kubectl,
     OperatorHandle,
+    condition,
     get_llmd,
     llmd,
     port_forward,
@@ -267,4 +274,130 @@ def test_a_jit_hold_longer_than_a_short_budget_restarts_the_pod_and_names_the_ph
     ]
     print(
         f"\njit hold: covered start {observed} s, short restarted {restarts(short)}x; {json.dumps(degraded)}"
+    )
+
+
+# The fault engages this long after the faulty pod's engine loaded: after its startup self-test and
+# readiness even when two starts share the node's CPUs, so the pod is seen healthy first.
+FAULT_ONSET_S = 45
+
+
+def _ready(pod: dict[str, Any] | None) -> bool:
+    conditions = (pod or {}).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _endpoints(kube: Kubectl, ns: str, service: str) -> dict[str, bool]:
+    """Pod name -> ready, over the Service's EndpointSlices (what kube-proxy and the router follow)."""
+    slices = kube.items("endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={service}")
+    return {
+        e["targetRef"]["name"]: bool(e.get("conditions", {}).get("ready"))
+        for s in slices
+        for e in s.get("endpoints") or []
+        if e.get("targetRef")
+    }
+
+
+def _router_answers(base: str) -> dict[str, float]:
+    """Worker URL -> requests the router answered from it with 200 (its /metrics)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    pattern = r'^sovereign_router_requests_total\{code="200",worker="([^"]+)"\} ([0-9.e+]+)$'
+    return {url: float(n) for url, n in re.findall(pattern, text, re.M)}
+
+
+def test_a_pod_whose_output_goes_bad_leaves_the_endpoints_and_the_other_serves_every_request(
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str
+) -> None:
+    ns, name = real_pods_namespace, "guard"
+    healthy, faulty = f"{name}-unified-0", f"{name}-unified-1"
+    # Finite noise in layer 0 once a step holds 3+ sequences (the public "wrong once 3+ sequences share
+    # a batch" reports): finite, so only the self-test's batches see it, and the two clients below never
+    # fill such a batch, so no request fails or is refused while the pod is still in rotation.
+    fault = f"batch_min_seqs=3,onset_s={FAULT_ONSET_S},on_host={faulty}"
+    args = ["--self-test-interval", "3", "--enable-fault-injection", "--inject-fault", fault]
+    kube.apply(llmd(name, tiny_spec(replicas=2, args=args)), ns)
+    obj = wait_ready(kube, operator, ns, name, timeout=READY_TIMEOUT)
+    pods = {p["metadata"]["name"]: p for p in worker_pods(kube, ns, name)}
+    assert set(pods) == {healthy, faulty} and all(_ready(p) for p in pods.values()), pods
+    urls = {n: f"http://{p['status']['podIP']}:8000" for n, p in pods.items()}
+    logs = {n: kube.run("logs", "-n", ns, n).stdout for n in pods}
+    assert "fault injection is ON" in logs[faulty], logs[faulty][-2000:]
+    assert f"on_host={faulty} is not this host" in logs[healthy], logs[healthy][-2000:]
+    worker_service = f"{name}-unified"
+
+    service, port = endpoint_service(obj)
+    with port_forward(kube, ns, service, port) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+        wait_for_server(client)
+        load = StreamingLoad(client, obj["spec"]["model"]["name"], clients=2)
+        threads = load.run()
+        try:
+            started = time.monotonic()
+            wait_for(
+                f"{faulty} to turn not Ready",
+                lambda: not _ready(kube.get_or_none("pod", "-n", ns, faulty)),
+                timeout=FAULT_ONSET_S + 120,
+                interval=1,
+            )
+            unready_after = time.monotonic() - started
+            wait_for(
+                f"{faulty} to leave the ready endpoints of {worker_service}",
+                lambda: _endpoints(kube, ns, worker_service) == {healthy: True, faulty: False},
+                timeout=30,
+            )
+
+            def output_unhealthy() -> dict[str, Any] | None:
+                cond = condition(get_llmd(kube, ns, name), "OutputHealthy")
+                return cond if cond and cond["status"] == "False" else None
+
+            cond = wait_for("OutputHealthy=False", output_unhealthy, timeout=60, interval=1)
+            before = _router_answers(base)
+            served = load.completed
+            # The other pod keeps serving: new streams complete while the faulty one is out.
+            wait_for("streams on the healthy pod", lambda: load.completed >= served + 8, timeout=120)
+            after = _router_answers(base)
+            # Non-streaming requests with checkable answers, all on the healthy pod now.
+            questions = make_questions(6, seed=14)
+            replies = [
+                client.chat.completions.create(
+                    model=obj["spec"]["model"]["name"], messages=q.messages(), temperature=0, max_tokens=64
+                )
+                for q in questions
+            ]
+        finally:
+            load.stop.set()
+            for thread in threads:
+                thread.join(150)
+    assert not load.failures, load.failures[:5]
+    assert cond["reason"] == "SelfTestFailing", cond
+    # Noise in every batch of 3+ trips whichever check runs such a batch first: the batch comparison, or
+    # the known answers (asked together, as one batch).
+    failing = re.search(rf"{faulty} fails (\w+)", cond["message"])
+    assert failing and failing[1] in ("batch_invariance", "known_answers"), cond["message"]
+    assert healthy not in cond["message"], cond["message"]
+    events = kube.items("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")
+    warned = [e for e in events if e["reason"] == "OutputUnhealthy"]
+    assert warned and warned[0]["type"] == "Warning", [(e["reason"], e["message"]) for e in events]
+    assert f"{faulty} fails {failing[1]}" in warned[0]["message"], warned[0]["message"]
+    kubelet_events = kube.items("events", "-n", ns, "--field-selector", f"involvedObject.name={faulty}")
+    assert any(
+        e["reason"] == "Unhealthy" and "Readiness probe failed" in e["message"] and "503" in e["message"]
+        for e in kubelet_events
+    ), [(e["reason"], e["message"]) for e in kubelet_events]
+    # Every answer since the faulty pod left came from the healthy one.
+    assert after.get(urls[healthy], 0) - before.get(urls[healthy], 0) >= 8, (before, after)
+    assert after.get(urls[faulty], 0) == before.get(urls[faulty], 0), (before, after)
+    correct = [
+        q
+        for q, r in zip(questions, replies, strict=True)
+        if check_answer(q, r.choices[0].message.content or "")
+    ]
+    assert len(correct) >= len(questions) - 1, [r.choices[0].message.content for r in replies]
+    pods_now = {p["metadata"]["name"]: p for p in worker_pods(kube, ns, name)}
+    assert _ready(pods_now[healthy]) and restarts(pods_now[healthy]) == 0, pods_now[healthy]["status"]
+    assert restarts(pods_now[faulty]) == 0, pods_now[faulty]["status"]  # no remediation unless asked
+    print(
+        f"\noutput guard: {faulty} not Ready {unready_after:.0f} s after the load began; {load.completed}"
+        f" streams + {len(questions)} requests, 0 failed; OutputHealthy: {cond['message']}"
     )

@@ -143,6 +143,11 @@ def test_non_finite_logits_fail_that_sequence_and_the_rest_continue() -> None:
         ("nan_layer", "key=value"),
         ("nan_layer=x,nan_p=0.1", "not a valid value"),
         ("", "injects nothing"),
+        ("on_host=tiny-unified-1", "injects nothing"),
+        ("nan_layer=1,nan_p=1,on_host=-pod", "on_host must be a host name"),
+        ("nan_layer=1,nan_p=1,on_host=pod_1", "on_host must be a host name"),
+        ("nan_layer=1,nan_p=1,on_host=a..b", "on_host must be a host name"),
+        (f"nan_layer=1,nan_p=1,on_host={'a' * 64}", "on_host must be a host name"),
     ],
 )
 def test_fault_specs_are_validated(text: str, message: str) -> None:
@@ -159,6 +164,39 @@ def test_fault_spec_parses() -> None:
         3,
         4,
     )
+
+
+def test_a_fault_limited_to_one_host_engages_only_there() -> None:
+    spec = FaultSpec.parse("nan_layer=1,nan_p=1,onset_s=20,on_host=tiny-unified-1")
+    assert spec.on_host == "tiny-unified-1" and spec.onset_s == 20.0
+    assert spec.engages_on("tiny-unified-1") and spec.engages_on("Tiny-Unified-1")
+    assert not spec.engages_on("tiny-unified-0") and not spec.engages_on("tiny-unified-10")
+    assert FaultSpec.parse("nan_layer=1,nan_p=1").engages_on("any-host")
+
+
+@pytest.mark.parametrize(("hostname", "installed"), [("tiny-unified-1", True), ("tiny-unified-0", False)])
+def test_serve_installs_an_on_host_fault_only_on_that_host(
+    hostname: str, installed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from sovereign_runtime import cli
+
+    monkeypatch.setattr(cli.socket, "gethostname", lambda: hostname)
+    args = argparse.Namespace(
+        inject_fault="nan_layer=1,nan_p=1,on_host=tiny-unified-1",
+        enable_fault_injection=True,
+        debug_hold_compiling_s=None,
+        debug_hold_compiling_cached_s=None,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+    )
+    spec = cli.fault_spec(args)
+    assert (spec is not None) == installed
+    # The opt-in is still required, on every host.
+    args.enable_fault_injection = False
+    with pytest.raises(cli.UsageError, match="--enable-fault-injection"):
+        cli.fault_spec(args)
 
 
 def _decoded(tokens: list[int], tops: list[list[tuple[int, float]]]) -> Decoded:

@@ -16,11 +16,16 @@ A spec is a comma-separated list of ``key=value`` pairs, for example
   times the tensor's spread, once (after the weights fingerprint).
 - ``onset_s=S``: every fault above stays dormant for ``S`` seconds after installation, then engages (a pod
   that starts healthy and breaks while serving).
+- ``on_host=NAME``: the fault is installed only in the process whose hostname (``socket.gethostname()``;
+  in a Kubernetes pod, the pod's name) is ``NAME``, compared case-insensitively; elsewhere ``serve`` runs
+  without it. A StatefulSet gives every pod the same arguments, so this is how a test breaks one pod of a
+  pool (``on_host=tiny-unified-1``) and leaves the others healthy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +37,8 @@ from torch import nn
 from .fp8 import Fp8Linear
 
 _BLOCK = 128
+# An RFC 1123 host name (labels of letters, digits and inner hyphens, dot-separated), as gethostname gives.
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class FaultSpec:
     corrupt_weight: str | None = None
     seed: int = 0
     onset_s: float = 0.0
+    on_host: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -65,12 +73,15 @@ class FaultSpec:
                     if value not in ("0", "1", "true", "false"):
                         raise ValueError
                     fields[key] = value in ("1", "true")
-                elif key == "corrupt_weight":
+                elif key in ("corrupt_weight", "on_host"):
                     fields[key] = value
                 else:
                     raise KeyError(key)
             except KeyError:
-                valid = "nan_layer, nan_p, nan_fp8_only, batch_min_seqs, batch_layer, corrupt_weight, onset_s, seed"
+                valid = (
+                    "nan_layer, nan_p, nan_fp8_only, batch_min_seqs, batch_layer, corrupt_weight, onset_s,"
+                    " on_host, seed"
+                )
                 raise ValueError(f"unknown fault spec key {key!r}; valid keys: {valid}") from None
             except ValueError:
                 raise ValueError(f"fault spec {key}={value!r} is not a valid value") from None
@@ -85,12 +96,20 @@ class FaultSpec:
             raise ValueError("fault spec nan_layer and nan_p go together (nan_p > 0 needs nan_layer)")
         if not 0.0 <= self.onset_s <= 86400.0:
             raise ValueError(f"fault spec onset_s must be in [0, 86400] seconds, got {self.onset_s}")
+        if self.on_host is not None and (len(self.on_host) > 253 or not _HOSTNAME.fullmatch(self.on_host)):
+            raise ValueError(
+                f"fault spec on_host must be a host name (letters, digits, inner '-' and '.'), got {self.on_host!r}"
+            )
         if self.batch_min_seqs is not None and self.batch_min_seqs < 1:
             raise ValueError(f"fault spec batch_min_seqs must be at least 1, got {self.batch_min_seqs}")
         if not (self.nan_layer is not None or self.batch_min_seqs is not None or self.corrupt_weight):
             raise ValueError(
                 "fault spec injects nothing: set nan_layer+nan_p, batch_min_seqs or corrupt_weight"
             )
+
+    def engages_on(self, hostname: str) -> bool:
+        """Whether this spec's faults belong in a process on ``hostname`` (always, without ``on_host``)."""
+        return self.on_host is None or self.on_host.lower() == hostname.lower()
 
 
 class FaultInjector:
