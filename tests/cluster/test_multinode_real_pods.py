@@ -50,4 +50,4 @@ def test_a_two_pod_tensor_parallel_group_of_the_tiny_model_serves_through_the_en
         ]
     correct = [r for q, r in zip(questions, replies, strict=True) if check_answer(q, r)]
     # TP 2 is greedy-identical to one process (tests/runtime/test_tensor_parallel.py): ~99 % correct.
-    assert len(correct) >= len(questions) - 1, list(zip([q.prompt for q in questions], replies))
+    assert len(correct) >= len(questions) - 1, list(zip([q.prompt for q in questions], replies, strict=True))
