@@ -19,7 +19,9 @@ def test_a_two_pod_tensor_parallel_group_of_the_tiny_model_serves_through_the_en
     kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, real_node_name: str
 ) -> None:
     if kube.get_or_none("crd", "leaderworkersets.leaderworkerset.x-k8s.io") is None:
-        pytest.skip("LeaderWorkerSet is not installed on this cluster (e2e/cluster/cluster.sh up installs it)")
+        pytest.skip(
+            "LeaderWorkerSet is not installed on this cluster (e2e/cluster/cluster.sh up installs it)"
+        )
     ns, name = real_pods_namespace, "tiny-tp2"
     spec = tiny_spec()
     spec["decode"] = {"replicas": 1, "nodesPerReplica": 2, "nodeParallelism": "tensor"}
@@ -44,7 +46,9 @@ def test_a_two_pod_tensor_parallel_group_of_the_tiny_model_serves_through_the_en
         replies = [
             client.chat.completions.create(
                 model=obj["spec"]["model"]["name"], messages=q.messages(), temperature=0, max_tokens=64
-            ).choices[0].message.content
+            )
+            .choices[0]
+            .message.content
             or ""
             for q in questions
         ]
