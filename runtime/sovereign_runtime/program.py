@@ -8,15 +8,22 @@ subcommand only; ``sovereign-runtime --help`` lists every subcommand without imp
 
 A subcommand's module has ``add_arguments(parser)`` and ``run(args) -> exit status`` under the names in
 its entry; a new subcommand is one entry in ``SUBCOMMANDS``. Usage errors print one line and exit 2.
+
+A SIGTERM that arrives before the subcommand installs its own handler (``serve`` drains on it once it
+listens) ends the program at once with status 143: in a container the program is PID 1, whose signals
+without a handler the kernel drops, so a pod deleted while it still imports torch would otherwise
+ignore the kubelet's SIGTERM and keep the node busy for its whole grace period (minutes for a worker).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import NoReturn, cast
 
 
@@ -80,7 +87,17 @@ def chosen_subcommand(argv: Sequence[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+# 128 + SIGTERM, as a shell reports a process it ended; the operator counts it as a stop, not a crash.
+TERMINATED_EXIT_STATUS = 128 + signal.SIGTERM
+
+
+def _terminated_before_serving(signum: int, frame: FrameType | None) -> NoReturn:
+    raise SystemExit(TERMINATED_EXIT_STATUS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # Until the subcommand installs its own (nothing is in flight yet: there is nothing to drain).
+    previous = signal.signal(signal.SIGTERM, _terminated_before_serving)
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         chosen = chosen_subcommand(argv)
@@ -92,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

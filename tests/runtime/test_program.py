@@ -1,16 +1,24 @@
 """The `sovereign-runtime` program: `router` and `download` start without importing torch (a router pod
-must listen long before its liveness probe gives up, even on a loaded node); `serve` still gets every flag."""
+must listen long before its liveness probe gives up, even on a loaded node); `serve` still gets every flag;
+a SIGTERM while it still imports ends it at once (a container's PID 1 would otherwise drop it)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 import pytest
-from sovereign_runtime.program import SUBCOMMANDS, build_parser, chosen_subcommand, main
+from sovereign_runtime.program import (
+    SUBCOMMANDS,
+    TERMINATED_EXIT_STATUS,
+    build_parser,
+    chosen_subcommand,
+    main,
+)
 
 # Modules a torch-free start must not load (the engine's dependencies, each seconds to import).
 HEAVY = ("torch", "triton", "numpy", "transformers", "sovereign_runtime.cli", "sovereign_runtime.engine")
@@ -106,3 +114,41 @@ def test_usage_errors_are_one_line_and_status_2(capsys: pytest.CaptureFixture[st
     assert err.count("\n") == 1 and err.startswith("error: router: give workers")
     assert main(["no-such-command"]) == 2
     assert "invalid choice: 'no-such-command'" in capsys.readouterr().err
+
+
+def test_a_sigterm_while_serve_still_imports_torch_ends_it_at_once_with_status_143() -> None:
+    # As a container's PID 1 the program would never see a SIGTERM it has no handler for: the kernel
+    # drops it, and the kubelet waits out the grace period. Status 143 (not -15, death by the signal)
+    # shows the program's own handler ended it, so the same holds as PID 1.
+    serve = ["serve", "--model", "builtin:sovereign-tiny", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "sovereign_runtime", *serve],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        # importtime prints a module once it is imported: a torch module means main() runs and imports
+        # the serve subcommand (program.py is imported, and main called, before anything of torch).
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("import time:") and line.rsplit("|", 1)[-1].strip().startswith("torch"):
+                break
+        assert proc.poll() is None, "".join(lines[-20:])
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert status == TERMINATED_EXIT_STATUS == 143, status
+    assert not any("listening on" in line for line in lines)
+
+
+def test_main_gives_the_sigterm_handler_back_when_it_returns() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["no-such-command"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
