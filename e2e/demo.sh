@@ -70,7 +70,7 @@ runtime_image_on_real_node() {
 # On the real node the answers come from the pod, through the LLMDeployment's endpoint (the router
 # Service), port-forwarded to 127.0.0.1 in the background so a person can curl it too.
 ask_the_endpoint() {
-  local endpoint service port local_port model i
+  local endpoint service port local_port model
   endpoint=$(kubectl get llmd -n "$ns" tiny -o jsonpath='{.status.endpoint}')
   model=$(kubectl get llmd -n "$ns" tiny -o jsonpath='{.spec.model.name}')
   service=${endpoint#http://}

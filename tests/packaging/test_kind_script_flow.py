@@ -50,6 +50,9 @@ case "$name" in
       echo "error: timed out waiting for the condition" >&2; exit 1
     fi ;;
   curl)
+    # 127.0.0.1 answers only once a port-forward has started, as the real one does (under load the
+    # backgrounded port-forward may start after up.sh's first try).
+    if [[ "$*" == *127.0.0.1* ]] && ! grep -q " port-forward " "$SHIM_LOG"; then exit 7; fi
     [[ "$*" == */v1/chat/completions* ]] && echo '{"choices":[{"message":{"content":"hello"}}]}' ;;
   pytest)
     env | grep -E '^(KUBECONFIG|SOVEREIGN_[A-Z_]+)=' | sort >"$SHIM_STATE/pytest-env" ;;
