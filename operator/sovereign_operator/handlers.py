@@ -62,6 +62,10 @@ STATUS_WORKERS = 2
 # A deployment's status is refreshed at most this often: the events of a pool starting (StatefulSet
 # created, pods created, scheduled, running, ready) within it coalesce into one write.
 STATUS_MIN_INTERVAL_S = 1.0
+# While children wait to be applied, a status refresh gives way for up to this long: under a burst
+# (100 deployments applied at once) the apiserver's writes go to the children first, and a
+# deployment's status events meanwhile coalesce into one write (bench/cluster_scale.py).
+STATUS_MAX_YIELD_S = 30.0
 # How long a stopping operator lets in-flight reconciles finish (SIGTERM, before the Lease goes).
 SHUTDOWN_GRACE_S = 10.0
 # Kinds whose changes show in status (the others only matter to prune and the resync).
@@ -110,8 +114,16 @@ def assemble(kube: Kube, defaults: OperatorDefaults | None = None) -> tuple[Even
         with contextlib.suppress(DeploymentGone):
             await reconciler.refresh_status(*key)
 
+    def applying() -> bool:
+        return len(reconciles) > 0
+
     statuses: WorkQueue[Key] = WorkQueue(
-        refresh_one, STATUS_WORKERS, "status", min_interval_s=STATUS_MIN_INTERVAL_S
+        refresh_one,
+        STATUS_WORKERS,
+        "status",
+        min_interval_s=STATUS_MIN_INTERVAL_S,
+        yield_to=applying,
+        max_yield_s=STATUS_MAX_YIELD_S,
     )
 
     async def sync_one(key: Key) -> float | None:

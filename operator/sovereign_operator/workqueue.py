@@ -8,7 +8,11 @@
   something adds it sooner;
 - keys are served in the order they were first added;
 - with `min_interval_s`, a key processed less than that long ago waits out the rest (a status
-  refresh per deployment at most once a second, however fast its pods change).
+  refresh per deployment at most once a second, however fast its pods change);
+- with `yield_to`, a key waits while that predicate holds, up to `max_yield_s` after it was
+  queued: status refreshes give way to the children's applies under a burst (the apiserver's
+  writes go to what users are waiting for first), events meanwhile coalesce into one write, and
+  status never trails by more than `max_yield_s`.
 
 The watches' handlers only add keys and return, so a watch never waits behind a reconcile, and
 the number of requests in flight is the number of workers, not of events.
@@ -22,6 +26,8 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+# How often a key giving way looks again: a few checks per second cost nothing beside a request.
+YIELD_POLL_S = 0.05
 
 
 class WorkQueue(Generic[K]):
@@ -32,6 +38,8 @@ class WorkQueue(Generic[K]):
         name: str,
         logger: logging.Logger | None = None,
         min_interval_s: float = 0.0,
+        yield_to: Callable[[], bool] | None = None,
+        max_yield_s: float = 0.0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"a work queue needs at least one worker, got {workers}")
@@ -39,7 +47,11 @@ class WorkQueue(Generic[K]):
         self.workers = workers
         self.name = name
         self.min_interval_s = min_interval_s
+        self.yield_to = yield_to
+        self.max_yield_s = max_yield_s
         self._done_at: dict[K, float] = {}
+        # When each waiting key was queued: how long it may still give way (yield_to).
+        self._queued_at: dict[K, float] = {}
         self.log = logger or logging.getLogger(__name__)
         self._queue: asyncio.Queue[K] = asyncio.Queue()
         self._waiting: set[K] = set()
@@ -75,6 +87,7 @@ class WorkQueue(Generic[K]):
         if timer is not None:
             timer.cancel()
         self._waiting.add(key)
+        self._queued_at[key] = asyncio.get_running_loop().time()
         self._queue.put_nowait(key)
 
     def add_after(self, key: K, delay: float) -> None:
@@ -116,12 +129,26 @@ class WorkQueue(Generic[K]):
         while self._waiting or self._active:
             await asyncio.sleep(0.005)
 
+    async def _give_way(self, key: K) -> None:
+        """While `yield_to` holds, wait (the key stays waiting, so adding it again coalesces),
+        but not past `max_yield_s` after it was queued."""
+        if self.yield_to is None or self.max_yield_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        until = self._queued_at.get(key, loop.time()) + self.max_yield_s
+        while not self._closing and self.yield_to() and loop.time() < until:
+            await asyncio.sleep(min(YIELD_POLL_S, max(0.0, until - loop.time())))
+
     async def _work(self) -> None:
         while not self._closing:
             key = await self._queue.get()
             if self._closing:
                 return
+            await self._give_way(key)
+            if self._closing:
+                return
             self._waiting.discard(key)
+            self._queued_at.pop(key, None)
             self._active.add(key)
             delay: float | None = None
             try:

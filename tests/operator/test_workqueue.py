@@ -121,6 +121,57 @@ def test_a_key_waits_out_its_minimum_interval_and_the_triggers_meanwhile_coalesc
     asyncio.run(scenario())
 
 
+def test_a_key_gives_way_while_asked_then_runs_once_for_every_add_meanwhile() -> None:
+    async def scenario() -> None:
+        runs: list[float] = []
+        loop = asyncio.get_running_loop()
+        busy = True
+
+        async def process(key: str) -> None:
+            runs.append(loop.time())
+
+        queue: WorkQueue[str] = WorkQueue(
+            process, workers=2, name="test", yield_to=lambda: busy, max_yield_s=5.0
+        )
+        queue.start()
+        started = loop.time()
+        for _ in range(10):  # a burst of status events while children are being applied
+            queue.add("a")
+            await asyncio.sleep(0.01)
+        assert runs == [] and len(queue) == 1
+        busy = False  # the applies are done
+        await asyncio.sleep(0.2)
+        assert len(runs) == 1 and runs[0] - started >= 0.1
+        await queue.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_key_gives_way_no_longer_than_its_bound() -> None:
+    async def scenario() -> None:
+        runs: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        async def process(key: str) -> None:
+            runs.append(loop.time())
+
+        queue: WorkQueue[str] = WorkQueue(
+            process, workers=1, name="test", yield_to=lambda: True, max_yield_s=0.15
+        )
+        queue.start()
+        started = loop.time()
+        queue.add("a")
+        await asyncio.sleep(0.05)
+        queue.add("b")
+        await asyncio.sleep(0.4)
+        # Each waited its own bound from when it was queued, then ran though the applies go on.
+        assert len(runs) == 2
+        assert 0.14 <= runs[0] - started < 0.3 and 0.19 <= runs[1] - started < 0.35
+        await queue.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_queue_needs_a_worker() -> None:
     async def process(key: str) -> None:
         return None
