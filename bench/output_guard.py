@@ -1,13 +1,19 @@
 """The output guard's figures: its decode cost, false positives on clean traffic, the self-test's duration.
 
     nice -n 10 .venv/bin/python bench/output_guard.py cost [--repeats 10] [--tokens 128]
+    nice -n 10 .venv/bin/python bench/output_guard.py cost --interleave step [--repeats 40] [--tokens 128]
     nice -n 10 .venv/bin/python bench/output_guard.py false-positives [--requests 10000] [--self-test-interval 2]
     nice -n 10 .venv/bin/python bench/output_guard.py self-test [--repeats 5]
 
 ``cost``: decode tokens/s of one engine with the guard on (finite check on the sampler's sync, per-sequence
 isolation in the step) and off (``LLMEngine.set_output_guard(False)``: the same build without them),
 single stream and 16 streams, interleaved run by run (alternating which goes first) so load on a shared
-host hits both alike; best and median of ``--repeats``.
+host hits both alike; best and median of ``--repeats``. With ``--interleave step`` the guard is switched
+every decode step instead, in ABBA order (on, off, off, on, ...), so each pair of neighbouring steps has
+the same batch, nearly the same context and the same moment's load: tokens/s of each side from the
+summed step times (wall and the thread's CPU time), and the median of the pairs' cost with a bootstrap
+95 % interval over ``--repeats`` decodes of ``--tokens`` steps. Load that comes and goes over seconds
+(which made two run-level runs disagree by more than 2 %) falls on both sides of every pair.
 
 ``false-positives``: clean requests with mixed sampling (greedy, temperature, top-k, top-p, seeds,
 logprobs) at batch sizes cycling 1..64, split evenly over five paths:
@@ -82,8 +88,78 @@ def _decode_rate(engine: LLMEngine, streams: int, tokens: int, seed: int) -> flo
     return produced / (time.perf_counter() - t0)
 
 
+def _step_pairs(engine: LLMEngine, streams: int, tokens: int, seed: int) -> list[tuple[float, ...]]:
+    """One decode of `tokens` steps with the guard switched every step (ABBA): per pair of
+    neighbouring steps (on wall, off wall, on CPU, off CPU), seconds."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for _ in range(streams):
+        engine.add_request([rng.randrange(2, 100) for _ in range(8)], params)
+    engine.set_output_guard(True)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.requests.values()):
+        engine.step()
+    timed: list[tuple[bool, float, float]] = []
+    step = 0
+    while engine.has_unfinished():
+        on = step % 4 in (0, 3)
+        engine.set_output_guard(on)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        produced = len(engine.step())
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        if produced == streams:  # a full batch: the last steps, as sequences finish, are left out
+            timed.append((on, wall, cpu))
+        step += 1
+    engine.set_output_guard(True)
+    pairs = []
+    for a, b in zip(timed[0::2], timed[1::2], strict=False):
+        if a[0] != b[0]:
+            on, off = (a, b) if a[0] else (b, a)
+            pairs.append((on[1], off[1], on[2], off[2]))
+    return pairs
+
+
+def _bootstrap_median(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def cost_by_step(engine: LLMEngine, args: argparse.Namespace) -> None:
+    print(
+        "| streams | steps paired | guard on, tokens/s (wall / CPU) | guard off (wall / CPU) |"
+        " cost, wall: summed; median pair [95 % CI] | cost, CPU: summed; median pair [95 % CI] |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for streams in (1, 16):
+        pairs: list[tuple[float, ...]] = []
+        for r in range(args.repeats):
+            pairs += _step_pairs(engine, streams, args.tokens, r)
+        cells = []
+        for on_i, off_i in ((0, 1), (2, 3)):
+            on_s, off_s = sum(p[on_i] for p in pairs), sum(p[off_i] for p in pairs)
+            costs = [p[on_i] / p[off_i] - 1 for p in pairs if p[off_i] > 0]
+            low, high = _bootstrap_median(costs)
+            cells.append(
+                (
+                    streams * len(pairs) / on_s,
+                    streams * len(pairs) / off_s,
+                    f"{100 * (on_s / off_s - 1):+.2f} %; {100 * statistics.median(costs):+.2f} %"
+                    f" [{100 * low:+.2f}, {100 * high:+.2f}]",
+                )
+            )
+        (wall_on, wall_off, wall_cost), (cpu_on, cpu_off, cpu_cost) = cells
+        print(
+            f"| {streams} | {len(pairs)} | {wall_on:.1f} / {cpu_on:.1f} | {wall_off:.1f} / {cpu_off:.1f} |"
+            f" {wall_cost} | {cpu_cost} |"
+        )
+
+
 def cost(args: argparse.Namespace) -> None:
     engine = LLMEngine.from_pretrained(TINY, EngineConfig(max_num_seqs=16))
+    if args.interleave == "step":
+        _decode_rate(engine, 4, 16, 0)  # warm
+        cost_by_step(engine, args)
+        return
     _decode_rate(engine, 4, 16, 0)  # warm
     print(
         "| streams | guard on, tokens/s (best / median) | guard off (best / median) | on / off (best, median) |"
@@ -390,6 +466,12 @@ def main() -> None:
     c = sub.add_parser("cost")
     c.add_argument("--repeats", type=int, default=10)
     c.add_argument("--tokens", type=int, default=128)
+    c.add_argument(
+        "--interleave",
+        choices=("run", "step"),
+        default="run",
+        help="switch the guard between whole decodes (run) or every decode step (step, ABBA)",
+    )
     f = sub.add_parser("false-positives")
     f.add_argument("--requests", type=int, default=10_000, help="over all five paths, split evenly")
     f.add_argument(
