@@ -8,9 +8,16 @@ from __future__ import annotations
 import pytest
 from cluster_helpers import Kubectl, OperatorHandle, llmd, port_forward, wait_ready
 from openai import OpenAI
-from sovereign_runtime.builtin.tasks import check_answer, make_questions
+from sovereign_runtime.builtin.tasks import make_questions
 from test_multinode_cluster import groups_ready
-from test_real_pods import READY_TIMEOUT, endpoint_service, tiny_spec, wait_for_server
+from test_real_pods import (
+    READY_TIMEOUT,
+    ask,
+    assert_mostly_correct,
+    endpoint_service,
+    tiny_spec,
+    wait_for_server,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -43,15 +50,6 @@ def test_a_two_pod_tensor_parallel_group_of_the_tiny_model_serves_through_the_en
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
         wait_for_server(client)
         questions = make_questions(4, seed=23)
-        replies = [
-            client.chat.completions.create(
-                model=obj["spec"]["model"]["name"], messages=q.messages(), temperature=0, max_tokens=64
-            )
-            .choices[0]
-            .message.content
-            or ""
-            for q in questions
-        ]
-    correct = [r for q, r in zip(questions, replies, strict=True) if check_answer(q, r)]
-    # TP 2 is greedy-identical to one process (tests/runtime/test_tensor_parallel.py): ~99 % correct.
-    assert len(correct) >= len(questions) - 1, list(zip([q.prompt for q in questions], replies, strict=True))
+        answers = ask(client, obj["spec"]["model"]["name"], questions)
+    # TP 2 is greedy-identical to one process (tests/runtime/test_tensor_parallel.py).
+    assert_mostly_correct(questions, answers)

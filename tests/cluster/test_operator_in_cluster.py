@@ -52,8 +52,17 @@ from cluster_helpers import (
 )
 from local_images import build_local_images
 from openai import OpenAI
-from sovereign_runtime.builtin.tasks import check_answer, make_questions
-from test_real_pods import READY_TIMEOUT, SMALL, endpoint_service, restarts, wait_for_server, worker_pods
+from sovereign_runtime.builtin.tasks import make_questions
+from test_real_pods import (
+    READY_TIMEOUT,
+    SMALL,
+    ask,
+    assert_mostly_correct,
+    endpoint_service,
+    restarts,
+    wait_for_server,
+    worker_pods,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -269,13 +278,8 @@ def test_the_in_cluster_operator_reconciles_tiny_on_the_real_node_with_the_chart
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
         wait_for_server(client)
         questions = make_questions(3, seed=21)
-        replies = [
-            client.chat.completions.create(model=model, messages=q.messages(), temperature=0, max_tokens=64)
-            for q in questions
-        ]
-    answers = [r.choices[0].message.content or "" for r in replies]
-    correct = [a for q, a in zip(questions, answers, strict=True) if check_answer(q, a)]
-    assert len(correct) >= len(questions) - 1, answers
+        answers = ask(client, model, questions)
+    assert_mostly_correct(questions, answers)
 
 
 def exec_in(kube: Kubectl, ns: str, pod: str, *command: str) -> subprocess.CompletedProcess[str]:
