@@ -21,6 +21,11 @@ Per N:
 The ratio operator / limit is the figure that survives this shared machine's noise.
 
     .venv/bin/python bench/cluster_scale.py --counts 100 1000
+    SOVEREIGN_CLUSTER=big .venv/bin/python bench/cluster_scale.py --counts 1000 --no-limit --no-cleanup
+        # then: SOVEREIGN_CLUSTER=big e2e/cluster/cluster.sh down (faster than the collector's deletes)
+
+Each N's operator figures are printed as soon as they are measured (`{"operator": ...}`), before the
+deletes, then the whole row with the limit and the ratios.
 
 It starts the local cluster if needed (e2e/cluster/cluster.sh up) and runs the operator as a
 subprocess with the chart's RBAC, exactly as tests/cluster does. The deployments use the built-in
@@ -267,9 +272,9 @@ def children_applied(events: list[dict[str, Any]], ns: str) -> dict[str, float]:
 
 
 @contextmanager
-def bench_nodes(kube: Kubectl, pods: int) -> Iterator[list[str]]:
+def bench_nodes(kube: Kubectl, pods: int, keep: bool = False) -> Iterator[list[str]]:
     """Fake CPU nodes for `pods` pods beyond what the default nodes hold, shaped like kwok's CPU
-    node (labels, annotations, taints), deleted afterwards."""
+    node (labels, annotations, taints), deleted afterwards unless `keep`."""
     count = max(0, math.ceil((pods - DEFAULT_NODES_PODS) / BENCH_NODE_PODS))
     if count == 0:
         yield []
@@ -304,7 +309,7 @@ def bench_nodes(kube: Kubectl, pods: int) -> Iterator[list[str]]:
         )
         yield created
     finally:
-        if created:
+        if created and not keep:
             kube.run("delete", "node", *created, "--wait=true", check=False, timeout=300)
 
 
@@ -455,7 +460,13 @@ def wait_until(what: str, predicate: Any, timeout: float, interval: float, op: O
 
 
 def run_operator(
-    kube: Kubectl, audit: AuditLog, operator_kubeconfig: Path, count: int, steady_s: float, log_dir: Path
+    kube: Kubectl,
+    audit: AuditLog,
+    operator_kubeconfig: Path,
+    count: int,
+    steady_s: float,
+    log_dir: Path,
+    cleanup: bool = True,
 ) -> dict[str, Any]:
     ns = f"bench-{count}-{int(time.time())}"
     bench_namespace(kube, ns)
@@ -525,11 +536,7 @@ def run_operator(
     resync_all = requests_summary(resync)
     resync_rss = peak_rss_mib(op.proc.pid)
 
-    # Delete the objects while the operator runs, so its deletes are part of what is measured.
-    kube.run("delete", "llmd", "--all", "-n", ns, "--wait=true", "--timeout=1200s", timeout=1260)
-    op.stop()
-    kube.run("delete", "namespace", ns, "--wait=true", "--timeout=1200s", timeout=1260)
-    return {
+    result = {
         "count": count,
         "apply_s": round(apply_s, 2),
         "children_p50_s": round(statistics.median(child_times), 2),
@@ -551,6 +558,16 @@ def run_operator(
         "resync_peak_rss_mib": round(resync_rss, 1),
         "resync_cpu_s": resync_cpu,
     }
+    print(json.dumps({"operator": result}), flush=True)  # before the cleanup, which takes long at N=1000
+    if not cleanup:
+        op.stop()
+        print(f"left namespace {ns} in place (--no-cleanup)", flush=True)
+        return result
+    # Delete the objects while the operator runs: its deletes must not fail or storm either.
+    kube.run("delete", "llmd", "--all", "-n", ns, "--wait=true", "--timeout=1200s", timeout=1260)
+    op.stop()
+    kube.run("delete", "namespace", ns, "--wait=true", "--timeout=1200s", timeout=1260)
+    return result
 
 
 def main() -> None:
@@ -559,6 +576,12 @@ def main() -> None:
     parser.add_argument("--steady-seconds", type=float, default=60)
     parser.add_argument("--limit-workers", type=int, default=8)
     parser.add_argument("--no-limit", action="store_true", help="skip the limit run (quicker iterations)")
+    parser.add_argument(
+        "--no-cleanup",
+        action="store_true",
+        help="leave the deployments and their namespace (and any bench nodes) in place: at N=1000 the"
+        " garbage collector's deletes take longer than the run; tear the cluster down instead",
+    )
     args = parser.parse_args()
 
     subprocess.run([str(CLUSTER_SH), "up"], check=True)
@@ -575,13 +598,15 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     operator_kubeconfig = make_operator_kubeconfig(kube, log_dir)
     for n in args.counts:
-        with bench_nodes(kube, 2 * n) as nodes:
+        with bench_nodes(kube, 2 * n, keep=args.no_cleanup) as nodes:
             # The limit right before the operator's run, against the same apiserver and load.
             limit = (
                 {} if args.no_limit else run_limit(kube, audit, operator_kubeconfig, n, args.limit_workers)
             )
             result = {
-                **run_operator(kube, audit, operator_kubeconfig, n, args.steady_seconds, log_dir),
+                **run_operator(
+                    kube, audit, operator_kubeconfig, n, args.steady_seconds, log_dir, not args.no_cleanup
+                ),
                 **limit,
             }
             result["bench_nodes"] = len(nodes)
