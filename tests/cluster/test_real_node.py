@@ -9,10 +9,13 @@ namespaces); everything else on the local cluster runs them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -266,16 +269,41 @@ def test_down_leaves_nothing_behind_and_spares_other_clusters(
     kube: Kubectl, web: dict[str, Any], tmp_path: Path
 ) -> None:
     """A second cluster with its own real node on this machine: both run at once (their own
-    addresses, namespaces and cgroups), and its `down` removes every trace of it and nothing of ours."""
+    addresses, namespaces and cgroups). Its processes killed and its state dir removed without `down`
+    (a CI checkout deleted and cloned again at the same path), `up` brings its node up again; then its
+    `down` removes every trace of it and nothing of ours."""
     name = f"t{secrets.token_hex(3)}"
     env = {**os.environ, "SOVEREIGN_CLUSTER": name, "SOVEREIGN_CLUSTER_DIR": str(tmp_path)}
     cluster = [str(CLUSTER_SH)]
-    try:
-        subprocess.run([*cluster, "up"], env=env, check=True, timeout=600, capture_output=True)
+    node_id = node_py().node_id(tmp_path, name)
+
+    def up_and_ready() -> None:
+        up = subprocess.run([*cluster, "up"], env=env, capture_output=True, text=True, timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
         second = subprocess.run([*cluster, "status"], env=env, capture_output=True, text=True, timeout=60)
-        assert "real node real-node-0: Ready" in second.stdout, second.stdout + second.stderr
-        node_id = node_py().node_id(tmp_path, name)
+        assert "real node real-node-0: Ready" in second.stdout, up.stderr + second.stdout + second.stderr
+
+    try:
+        up_and_ready()
         assert Path(f"/run/netns/sovereign-{node_id}").exists()
+        # What a CI runner does to a checkout it is done with: kill its processes, delete the tree.
+        # The node's namespaces, cgroups and run dir stay behind, its mount namespace bound to a
+        # /var/lib that no longer exists.
+        for _ in range(3):
+            cgroup_pids = [
+                int(pid)
+                for procs in Path("/sys/fs/cgroup").glob(f"*/sovereign-{node_id}/**/cgroup.procs")
+                for pid in procs.read_text().split()
+            ]
+            ours = [p for p in _pids() if str(tmp_path) in _cmdline(p) or node_id in _cmdline(p)]
+            for pid in {*cgroup_pids, *ours}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(1)
+        shutil.rmtree(tmp_path)
+        tmp_path.mkdir()
+        assert Path(f"/run/sovereign/{node_id}/mnt").exists()
+        up_and_ready()
     finally:
         subprocess.run([*cluster, "down"], env=env, check=True, timeout=300, capture_output=True)
 

@@ -787,6 +787,12 @@ class Node:
             layout.etc / "cni",
         ):
             d.mkdir(parents=True, exist_ok=True)
+        if self.mount_namespace_is_stale():
+            # The state dir was removed under a node that was never brought down (a fresh clone at
+            # the same path: the same id): its namespaces, daemons and pods belong to files that are
+            # gone, and containerd would find /var/lib deleted. Stop all of it and start anew.
+            print("node.py: stopping a node left by a removed state dir", file=sys.stderr)
+            self.stop()
         self.ensure_network()
         self.ensure_mount_namespace()
         self.ensure_cgroups()
@@ -948,6 +954,17 @@ class Node:
             run("ip", "netns", "delete", layout.netns, check=False)
             raise
 
+    def mount_namespace_is_stale(self) -> bool:
+        """Whether the node's mount namespace exists with a /var/lib or /var/log that is not this
+        layout's directory (an earlier one, since removed)."""
+        layout = self.layout
+        if not _is_mount_point(layout.mntns_path):
+            return False
+        stat = ["stat", "-c", "%d:%i", "/var/lib", "/var/log"]
+        inside = run("nsenter", f"--mount={layout.mntns_path}", "--", *stat, check=False)
+        ours = [os.stat(d) for d in (layout.var_lib, layout.var_log)]
+        return inside.split() != [f"{st.st_dev}:{st.st_ino}" for st in ours]
+
     def ensure_mount_namespace(self) -> None:
         layout = self.layout
         if layout.mntns_path.exists() and _is_mount_point(layout.mntns_path):
@@ -1092,6 +1109,15 @@ class Node:
     # -- down -----------------------------------------------------------------------------------------
     def down(self) -> None:
         layout = self.layout
+        self.stop()
+        self.remove_cgroups()
+        shutil.rmtree(layout.dir, ignore_errors=True)
+        shutil.rmtree(layout.run, ignore_errors=True)
+        release_slot(layout)
+
+    def stop(self) -> None:
+        """Every process of the node gone, its namespaces and mounts removed; its files kept."""
+        layout = self.layout
         self.stop_daemon("kubelet", "kubelet")
         self.kill_cgroup_processes()
         for daemon, binary in (
@@ -1111,10 +1137,6 @@ class Node:
         for point in mounts_below(Path("/proc/self/mountinfo").read_text(), [layout.dir, layout.run]):
             if subprocess.run(["umount", point], capture_output=True).returncode != 0:
                 subprocess.run(["umount", "-l", point], capture_output=True)
-        self.remove_cgroups()
-        shutil.rmtree(layout.dir, ignore_errors=True)
-        shutil.rmtree(layout.run, ignore_errors=True)
-        release_slot(layout)
 
     def stop_daemon(self, daemon: str, binary: str, grace: float = 10) -> None:
         pid = self.running(daemon, binary)
@@ -1268,7 +1290,10 @@ def allocate_slot(state: Path, name: str, bin_: Path) -> Layout:
     """This cluster's layout, keeping the slot it had where still free, claiming it on the machine."""
     own_id = node_id(state, name)
     slot_file = state / f"node-{name}" / "slot"
-    preferred = int(slot_file.read_text()) if slot_file.exists() else None
+    if slot_file.exists():
+        preferred: int | None = int(slot_file.read_text())
+    else:  # the state dir was removed: the slot a node of this id may still hold on the machine
+        preferred = next((slot for slot, owner in _claims().items() if owner == own_id), None)
     routes = json.loads(run("ip", "-j", "-4", "route", "show", "table", "all") or "[]")
     RUN_ROOT.joinpath("slots").mkdir(parents=True, exist_ok=True)
     (RUN_ROOT / own_id).mkdir(parents=True, exist_ok=True)
