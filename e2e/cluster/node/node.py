@@ -1290,14 +1290,15 @@ def allocate_slot(state: Path, name: str, bin_: Path) -> Layout:
     """This cluster's layout, keeping the slot it had where still free, claiming it on the machine."""
     own_id = node_id(state, name)
     slot_file = state / f"node-{name}" / "slot"
-    if slot_file.exists():
-        preferred: int | None = int(slot_file.read_text())
-    else:  # the state dir was removed: the slot a node of this id may still hold on the machine
-        preferred = next((slot for slot, owner in _claims().items() if owner == own_id), None)
     routes = json.loads(run("ip", "-j", "-4", "route", "show", "table", "all") or "[]")
     RUN_ROOT.joinpath("slots").mkdir(parents=True, exist_ok=True)
     (RUN_ROOT / own_id).mkdir(parents=True, exist_ok=True)
-    slot = choose_slot(routes, _claims(), own_id, f"sov{own_id}", preferred)
+    claims = _claims()
+    if slot_file.exists():
+        preferred: int | None = int(slot_file.read_text())
+    else:  # the state dir was removed: the slot a node of this id may still hold on the machine
+        preferred = next((slot for slot, owner in claims.items() if owner == own_id), None)
+    slot = choose_slot(routes, claims, own_id, f"sov{own_id}", preferred)
     claim = RUN_ROOT / "slots" / str(slot)
     # O_EXCL: of two clusters choosing at once, one wins; the other sees the claim next time.
     if not (claim.exists() and claim.read_text().strip() == own_id):
