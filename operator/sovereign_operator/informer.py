@@ -30,10 +30,11 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import httpx2 as httpx
 from lightkube import ApiError, AsyncClient
 
 from sovereign_operator.cache import ClusterCache, WatchedKind
-from sovereign_operator.kube import api_resource
+from sovereign_operator.kube import api_error_code, api_resource
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +111,15 @@ class Informer:
                 await self._watch(version)  # returns when the version expired: list again
             except asyncio.CancelledError:
                 raise
-            except ApiError as error:
-                if getattr(error.status, "code", None) != 404:
+            except (ApiError, httpx.HTTPStatusError) as error:
+                if api_error_code(error) != 404:
                     failures += 1
                     await self._relist_pause(error, failures)
                     continue
-                # The kind is not served (LeaderWorkerSet's CRD not installed): nothing to wait
-                # for before reconciling; look again now and then, and watch once it is there.
+                # The kind is not served (LeaderWorkerSet's CRD not installed; the apiserver's 404
+                # for an API group it does not know is plain text, so lightkube raises httpx's
+                # error): nothing to wait for before reconciling; look again now and then, and
+                # watch once it is there.
                 if not self.synced.is_set():
                     log.info(
                         "%s are not served by the apiserver; looking again every %.0f s",

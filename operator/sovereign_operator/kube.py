@@ -85,8 +85,14 @@ def api_resource(kind: WatchedKind) -> Any:
     return _resource(kind.api_version, kind.kind)
 
 
-def _code(error: ApiError) -> int | None:
-    return getattr(error.status, "code", None)
+def api_error_code(error: BaseException) -> int | None:
+    """The HTTP status of an apiserver error: lightkube's ApiError (a Status body), or the bare httpx
+    status error lightkube raises when the body is not a Status (the apiserver answers a path of an
+    API group it does not serve, e.g. LeaderWorkerSets without their CRD, with a plain-text 404)."""
+    code = getattr(getattr(error, "status", None), "code", None)
+    if not isinstance(code, int):
+        code = getattr(getattr(error, "response", None), "status_code", None)
+    return code if isinstance(code, int) else None
 
 
 class Kube:
@@ -202,7 +208,7 @@ class Kube:
             # Jobs orphan their pods unless told otherwise.
             await self.client.delete(kind, name, namespace=namespace, cascade=CascadeType.BACKGROUND)
         except ApiError as error:
-            if _code(error) != 404:
+            if api_error_code(error) != 404:
                 raise
         if self.cache is not None:
             self.cache.remove(kind.__name__, namespace, name)
@@ -224,7 +230,7 @@ class Kube:
             try:
                 job = _as_dict(await self.client.get(Job, name, namespace=namespace))
             except ApiError as error:
-                if _code(error) != 404:
+                if api_error_code(error) != 404:
                     raise
                 job = None
             pods = [
@@ -271,7 +277,7 @@ class Kube:
             try:
                 await self.client.delete(_resource_by_kind(kind_name), meta["name"], namespace=namespace)
             except ApiError as error:
-                if _code(error) != 404:
+                if api_error_code(error) != 404:
                     raise
             if self.cache is not None:
                 self.cache.remove(kind_name, namespace, meta["name"])
@@ -318,7 +324,7 @@ class Kube:
         try:
             live = _as_dict(await self.client.get(LLMDeploymentResource, name, namespace=namespace))
         except ApiError as error:
-            if _code(error) == 404:
+            if api_error_code(error) == 404:
                 return None
             raise
         if self.cache is not None:
@@ -336,7 +342,7 @@ class Kube:
         try:
             await self.client.delete(Pod, name, namespace=namespace)
         except ApiError as error:
-            if _code(error) != 404:
+            if api_error_code(error) != 404:
                 raise
 
     async def observe(self, namespace: str, instance: str) -> Observed:
@@ -414,7 +420,7 @@ class Kube:
                 patch_type=PatchType.MERGE,
             )
         except ApiError as error:
-            if self.cache is not None and _code(error) in (404, 409):
+            if self.cache is not None and api_error_code(error) in (404, 409):
                 # What the cache holds is not what the apiserver has: read it afresh next time.
                 self.cache.forget_deployment(namespace, name)
             raise

@@ -26,6 +26,7 @@ from sovereign_operator.api.spec import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus, ModelStatus, StartupBudget
 from sovereign_operator.cache import APPLIED_DIGEST
 from sovereign_operator.gone import DeploymentGone, gone_error, is_gone
+from sovereign_operator.kube import api_error_code
 from sovereign_operator.modeldownload import JobView, assess, facts_from_status
 from sovereign_operator.observe import Observed, Problem, compute_status, status_patch
 from sovereign_operator.podstatus import LifeMemory
@@ -112,14 +113,6 @@ NAMESPACE_TERMINATING = "because it is being terminated"
 
 def backoff_seconds(retry: int) -> float:
     return float(min(300, 5 * 2 ** min(retry, 6)))
-
-
-def _api_error_code(error: Exception) -> int | None:
-    """The HTTP status of an apiserver error (lightkube ApiError or a bare httpx status error)."""
-    code = getattr(getattr(error, "status", None), "code", None)
-    if not isinstance(code, int):
-        code = getattr(getattr(error, "response", None), "status_code", None)
-    return code if isinstance(code, int) else None
 
 
 def _api_error_message(error: Exception) -> str:
@@ -452,12 +445,12 @@ class Reconciler:
                         self._applied_shared.pop((ref.namespace, ref.name, kind, name), None)
         except Exception as error:
             message = _api_error_message(error)
-            if _api_error_code(error) == 403 and NAMESPACE_TERMINATING in message:
+            if api_error_code(error) == 403 and NAMESPACE_TERMINATING in message:
                 # The namespace is going and the deployment with it: no retries, no Events.
                 self.forget(*key)
                 self._ended[key] = meta.get("uid")
                 raise gone_error(body) from error
-            problem, retryable = apply_problem(_api_error_code(error), writing, message)
+            problem, retryable = apply_problem(api_error_code(error), writing, message)
             if problem is None and retry >= REPORT_TRANSIENT_AFTER:
                 # Transient by its status code, yet it keeps failing (a full Service IP range answers
                 # 500 every time): a person must see it, not only the retries.
@@ -501,7 +494,7 @@ class Reconciler:
         return assessment.facts, assessment.status, view.job is None
 
     def _classify(self, error: Exception, doing: str, retry: int) -> RetryLater:
-        code = _api_error_code(error)
+        code = api_error_code(error)
         metrics.ERRORS.labels(f"http_{code}" if code else type(error).__name__).inc()
         return RetryLater(f"{doing} failed ({error}); retrying", backoff_seconds(retry))
 
@@ -532,7 +525,7 @@ class Reconciler:
             try:
                 return await self._refresh_once(key)
             except Exception as error:
-                if _api_error_code(error) != 409:
+                if api_error_code(error) != 409:
                     raise
         return False
 

@@ -138,20 +138,31 @@ def test_lists_watches_and_after_a_410_lists_again_and_delivers_what_went_meanwh
     asyncio.run(scenario())
 
 
-def test_a_kind_the_apiserver_does_not_serve_counts_as_synced_and_empty() -> None:
+NOT_FOUND_STATUS = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "status": "Failure",
+    "reason": "NotFound",
+    "code": 404,
+}
+
+
+@pytest.mark.parametrize(
+    "body, content_type",
+    [
+        (json.dumps(NOT_FOUND_STATUS), "application/json"),
+        # What a real apiserver answers for an API group it does not serve (LeaderWorkerSet's CRD
+        # not installed, as on a fresh kind cluster): plain text, which lightkube raises as httpx's
+        # HTTPStatusError rather than ApiError.
+        ("404 page not found\n", "text/plain; charset=utf-8"),
+    ],
+    ids=["status-body", "plain-text"],
+)
+def test_a_kind_the_apiserver_does_not_serve_counts_as_synced_and_empty(body: str, content_type: str) -> None:
     """LeaderWorkerSet without its CRD: the LIST answers 404; reconciling must not wait for it."""
 
     async def handle(request: web.Request) -> web.Response:
-        status = {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "status": "Failure",
-            "reason": "NotFound",
-            "code": 404,
-        }
-        return web.Response(
-            body=json.dumps(status).encode(), status=404, headers={"Content-Type": "application/json"}
-        )
+        return web.Response(body=body.encode(), status=404, headers={"Content-Type": content_type})
 
     async def scenario() -> None:
         runner, config = await serve_fake_apiserver(handle)
