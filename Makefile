@@ -15,6 +15,7 @@ help:
 	@echo "make cluster-up / cluster-down - local control plane (kubeconfig: .cluster/kubeconfig)"
 	@echo "make demo-stop - stop the demo operator and delete the local cluster"
 	@echo "make images-local - runtime (CPU) and operator images built here, no registry (.cache/images/)"
+	@echo "make e2e-kind - kind end to end here: Docker engine, node image built locally, up.sh and its tests"
 
 venv: $(VENV_STAMP)
 
@@ -58,6 +59,7 @@ demo-stop:
 # The cluster first: its real node runs as root with state under .cluster.
 clean:
 	-e2e/cluster/cluster.sh down
+	-e2e/kind/local/engine.sh stop
 	rm -rf $(VENV) .cache .cluster
 
 # The same images built on this machine without a registry or Docker (root: debootstrap), from the
@@ -65,6 +67,13 @@ clean:
 .PHONY: images-local
 images-local: venv
 	IMAGE_REPO=$(IMAGE_REPO) IMAGE_TAG=$(IMAGE_TAG) e2e/images/build.sh
+
+# The kind end-to-end path (e2e/kind/up.sh and `up.sh test`) on this machine with no registry: a Docker
+# engine started here if none runs, kind and its node image built from pinned modules and Debian packages,
+# the images above loaded into the cluster (e2e/kind/local/run.sh). Not part of `make test`.
+.PHONY: e2e-kind
+e2e-kind: venv tools
+	e2e/kind/local/run.sh
 
 # Container images (needs a Docker engine). IMAGE_TAG defaults to the package version.
 IMAGE_REPO ?= ghcr.io/sovereign-ai

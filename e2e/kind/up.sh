@@ -72,7 +72,9 @@ docker info >/dev/null 2>&1 || die "no Docker engine answers (docker info failed
 mkdir -p "$repo/.cluster"
 if ! kind get clusters 2>/dev/null | grep -qx "$cluster"; then
   log "creating kind cluster $cluster from ${config#"$repo"/}"
-  kind create cluster --config "$config" --kubeconfig "$kubeconfig" --wait 120s
+  # KIND_NODE_IMAGE: a node image other than kind's default (make e2e-kind builds one here).
+  kind create cluster --config "$config" --kubeconfig "$kubeconfig" --wait 120s \
+    ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"}
 else
   kind get kubeconfig --name "$cluster" >"$kubeconfig"
 fi

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# make e2e-kind: the kind end-to-end path users run (e2e/kind/up.sh, then `up.sh test`), on this machine
+# with no registry: a Docker engine (started here if none answers, stopped afterwards), kind and a node
+# image built from pinned modules and Debian packages (build.sh), the runtime and operator images built
+# here (make images-local) and loaded into the cluster.
+#
+#   e2e/kind/local/run.sh            # cluster, the tiny model answering through its router, the suite, down
+#   e2e/kind/local/run.sh --no-test  # without `up.sh test`
+#   e2e/kind/local/run.sh --keep     # leave the cluster (and the engine this script started) running
+#
+# Needs root, namespaces and cgroups (what the local cluster's real node needs), for a Docker engine.
+# Where that cannot work it stops with the reason. Times of each phase are printed at the end.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../../.." && pwd)"
+cd "$repo"
+# shellcheck source=../../cluster/versions.env
+source "$repo/e2e/cluster/versions.env"
+# shellcheck source=versions.env
+source "$here/versions.env"
+
+run_tests=true
+keep=false
+for arg in "$@"; do
+  case "$arg" in
+    --no-test) run_tests=false ;;
+    --keep) keep=true ;;
+    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument '$arg' (expected --no-test or --keep)" >&2; exit 2 ;;
+  esac
+done
+log() { printf 'e2e-kind: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+# Where this cannot work, say why before building anything.
+[[ "$(uname -s)" == Linux ]] || die "needs Linux (a Docker engine and kind nodes run here)"
+[[ -d /sys/fs/cgroup ]] && [[ -n "$(ls -A /sys/fs/cgroup)" ]] || die "no cgroup filesystem at /sys/fs/cgroup"
+if [[ -f /sys/fs/cgroup/cgroup.controllers ]]; then
+  for controller in cpu memory pids; do
+    grep -qw "$controller" /sys/fs/cgroup/cgroup.controllers ||
+      die "cgroup v2 without the $controller controller: kind's nodes need cpu, memory and pids"
+  done
+fi
+
+timings=()
+phase_start=$(date +%s)
+phase() {
+  local now
+  now=$(date +%s)
+  timings+=("$1: $((now - phase_start)) s")
+  phase_start=$now
+}
+started_engine=false
+finish() {
+  local status=$?
+  if [[ "$keep" != true ]]; then
+    e2e/kind/up.sh down || true
+    if [[ "$started_engine" == true ]]; then e2e/kind/local/engine.sh stop || true; fi
+  fi
+  printf 'e2e-kind: %s\n' "${timings[@]}" >&2
+  exit "$status"
+}
+trap finish EXIT
+
+# 1. A Docker engine: the one DOCKER_HOST (or the default socket) names, else ours.
+if ! docker info >/dev/null 2>&1; then
+  engine="$(e2e/kind/local/engine.sh start)" || die "no Docker engine answers and none could be started"
+  export "${engine?}"
+  started_engine=true
+fi
+export PATH="$repo/.cache/kind/bin:$repo/e2e/cluster/bin:$PATH"
+phase engine
+
+# 2. kind, kubeadm, crictl and the node image.
+e2e/kind/local/build.sh
+phase "node image"
+
+# 3. The runtime and operator images, loaded into the engine for up.sh's `kind load docker-image`.
+make images-local
+python3 - "$repo/.cache/images/images.json" <<'PY' | while read -r archive; do docker load -q -i "$archive" >/dev/null; done
+import json, sys
+for image in json.load(open(sys.argv[1]))["images"].values():
+    print(image["archive"])
+PY
+phase "runtime and operator images"
+
+# 4. The flow users run, with the images built here.
+KIND_NODE_IMAGE="$NODE_IMAGE:$KUBE_VERSION" SKIP_BUILD=true e2e/kind/up.sh
+phase "up.sh (cluster, chart, tiny answering)"
+# 5. Fake GPUs and RDMA on the chosen workers (FAKE_GPU_NODES, default every worker): labelled as NVIDIA's
+#    GPU operator labels an H100 node, advertised by our device plugin; then a GPU example must schedule.
+export KUBECONFIG="$repo/.cluster/kind-sovereign-cpu.kubeconfig"
+read -r -a gpu_nodes <<<"${FAKE_GPU_NODES:-$(kind get nodes --name sovereign-cpu | grep -v control-plane | tr '\n' ' ')}"
+[[ ${#gpu_nodes[@]} -gt 0 ]] || die "no worker to give fake GPUs (FAKE_GPU_NODES)"
+kubectl label --overwrite node "${gpu_nodes[@]}" nvidia.com/gpu.present=true \
+  nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3 nvidia.com/gpu.count=8 nvidia.com/gpu.memory=81559 \
+  nvidia.com/gpu.family=hopper feature.node.kubernetes.io/rdma.available=true >/dev/null
+sed "s|image: IMAGE|image: $FAKEGPU_IMAGE|" "$here/fakegpu.yaml" | kubectl apply -f - >/dev/null
+kubectl -n kube-system rollout status daemonset/fakegpu --timeout=120s
+for node in "${gpu_nodes[@]}"; do
+  for _ in $(seq 60); do
+    [[ "$(kubectl get node "$node" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" == 8 ]] && break
+    sleep 2
+  done
+  [[ "$(kubectl get node "$node" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" == 8 ]] ||
+    die "$node does not advertise nvidia.com/gpu: 8; kubectl -n kube-system logs daemonset/fakegpu"
+done
+log "fake GPUs on ${gpu_nodes[*]}: $(kubectl get node "${gpu_nodes[0]}" -o jsonpath='{.status.allocatable}')"
+phase "fake GPU nodes"
+
+if [[ "$run_tests" == true ]]; then
+  e2e/kind/up.sh test
+  phase "up.sh test"
+fi
+log "done"
