@@ -396,9 +396,16 @@ class Reconciler:
             and previous.problem is None
             and all(self._applied.get(_child_key(ref, c)) == d for c, d in children)
         ):
-            previous.model = model_status  # progress moves while the children stay the same
             metrics.RECONCILES.labels("unchanged").inc()
-            return previous
+            if previous.generation == generation:
+                previous.model = model_status  # progress moves while the children stay the same
+                return previous
+            # A spec change that renders the same children (a field set to its default, say) is
+            # still this generation's outcome: status reports it observed, and the status refresh,
+            # which waits for the outcome of the live generation, goes on.
+            outcome = replace(previous, generation=generation, rendered=rendered, model=model_status)
+            self.outcomes[key] = outcome
+            return outcome
 
         writing = "the children"
         written = 0

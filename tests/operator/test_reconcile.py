@@ -72,6 +72,40 @@ def test_spec_change_to_disaggregated_applies_and_prunes_the_unified_pool() -> N
     asyncio.run(scenario())
 
 
+def test_a_spec_change_that_renders_the_same_children_is_observed_in_status() -> None:
+    """A new generation whose children are unchanged (here: the runtime image set to the one the
+    operator uses anyway, as e2e/kind/up.sh does right after creating the object) writes nothing to
+    the children but must still move status to that generation; the refresh had waited for it
+    forever, so such a deployment never showed Ready."""
+    kube = FakeKube(body_for(TINY_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        assert await reconciler.sync("ns", "llm") is None  # the work queue's path: no refresh
+        applied = kube.applies
+        image = render(
+            DeploymentRef("llm", "ns", "uid-1"), LLMDeploymentSpec.model_validate(TINY_SPEC)
+        ).children
+        default_image = next(
+            c["spec"]["template"]["spec"]["containers"][0]["image"]
+            for c in image
+            if c["kind"] == "StatefulSet"
+        )
+        kube.body["spec"] = with_changes(TINY_SPEC, runtime__image=default_image)
+        kube.body["metadata"]["generation"] = 2
+        assert reconciler.wants(kube.body)
+        assert await reconciler.sync("ns", "llm") is None
+        assert kube.applies == applied  # nothing to write to the children
+        assert not reconciler.wants(kube.body)  # generation 2 is reconciled
+        assert await reconciler.refresh_status("ns", "llm") is True
+        status = kube.body["status"]
+        assert status["observedGeneration"] == 2
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        assert (ready["status"], ready["observedGeneration"]) == ("True", 2)
+
+    asyncio.run(scenario())
+
+
 def test_invalid_spec_is_degraded_with_an_event_and_no_retry() -> None:
     problems: list[Problem] = []
     kube = FakeKube(body_for(with_changes(TINY_SPEC, mode="sideways")))
