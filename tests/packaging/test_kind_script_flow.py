@@ -209,3 +209,15 @@ def test_down_deletes_only_existing_clusters(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "kind delete cluster --name sovereign-cpu" in calls
     assert "kind delete cluster --name sovereign-gpu" not in calls
+
+
+def test_a_local_node_image_is_passed_to_kind(tmp_path: Path) -> None:
+    """make e2e-kind builds its own node image and names it in KIND_NODE_IMAGE; nothing else changes."""
+    proc, calls, _ = run(tmp_path, KIND_NODE_IMAGE="sovereign.local/kind/node:v1.36.3", SKIP_BUILD="true")
+    assert proc.returncode == 0, proc.stderr
+    create = calls[index_of(calls, "kind create cluster")]
+    assert create.endswith(" --image sovereign.local/kind/node:v1.36.3"), create
+    assert not any(c.startswith("make images") for c in calls), calls
+    in_order(
+        calls, "kind create cluster", "kind load docker-image --name sovereign-cpu", "helm upgrade --install"
+    )

@@ -24,6 +24,11 @@ state="$repo/.cache/kind"
 bin="$state/bin"
 cbin="$repo/e2e/cluster/bin"
 log() { printf 'kind/build.sh: %s\n' "$*" >&2; }
+# docker build, its output shown only when it fails (the classic builder prints a deprecation notice).
+build() {
+  local out
+  out="$(docker build -q "$@" 2>&1)" || { printf '%s\n' "$out" >&2; return 1; }
+}
 die() { log "$*"; exit 1; }
 
 docker info >/dev/null 2>&1 || die "no Docker engine answers (DOCKER_HOST=${DOCKER_HOST:-unset}); e2e/kind/local/engine.sh start"
@@ -124,7 +129,7 @@ single() {
   cp "$binary" "$ctx/image/payload"
   printf 'FROM scratch\nCOPY payload %s\nENV PATH=/usr/local/bin:/usr/bin:/bin\nENTRYPOINT ["%s"]\n' \
     "$dest" "$dest" >"$ctx/image/Dockerfile"
-  docker build -q -t "$ref" "$ctx/image" >/dev/null
+  build -t "$ref" "$ctx/image"
 }
 # Binaries on the Debian root filesystem (kube-proxy needs iptables; podnet bash, ip and kubectl).
 on_rootfs() {
@@ -136,7 +141,7 @@ on_rootfs() {
     copies+="COPY $(basename "$binary") /usr/local/bin/$(basename "$binary")"$'\n'
   done
   printf 'FROM %s\n%s' "$rootfs_ref" "$copies" >"$ctx/image/Dockerfile"
-  docker build -q -t "$ref" "$ctx/image" >/dev/null
+  build -t "$ref" "$ctx/image"
 }
 log "images: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, etcd, coredns, pause, podnet, fakegpu"
 for component in kube-apiserver kube-controller-manager kube-scheduler etcd; do
@@ -167,7 +172,7 @@ printf '%s\n' "$KUBE_VERSION" >"$ctx/version"
 cp "$here/node.Dockerfile" "$ctx/Dockerfile"
 log "node image stage from $rootfs_ref"
 stage="$NODE_IMAGE:stage-$inputs_hash"
-docker build -q --build-arg "ROOTFS=$rootfs_ref" -t "$stage" "$ctx" >/dev/null
+build --build-arg "ROOTFS=$rootfs_ref" -t "$stage" "$ctx"
 
 builder="sovereign-kind-build-$$"
 trap 'docker rm -f "$builder" >/dev/null 2>&1 || true' EXIT
@@ -186,6 +191,6 @@ docker commit \
   --change "LABEL sovereign.inputs=$inputs_hash" \
   "$builder" "$node_ref" >/dev/null
 docker rm -f "$builder" >/dev/null
-docker image rm "$stage" >/dev/null 2>&1 || true
+docker image rm "$stage" >/dev/null || log "could not remove the build stage image $stage"
 rm -rf "$ctx"
 log "built $node_ref ($(docker image inspect -f '{{.Size}}' "$node_ref" | awk '{printf "%.0f MB", $1 / 1e6}'))"

@@ -27,10 +27,15 @@ start() {
     return
   fi
   [[ "$(id -u)" == 0 ]] || die "starting a Docker engine needs root (or run one yourself and set DOCKER_HOST)"
-  if ! command -v dockerd >/dev/null; then
-    log "installing Debian's docker.io"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >"$repo/.cache/kind/apt-docker.log" 2>&1 ||
-      die "apt-get install docker.io failed; see .cache/kind/apt-docker.log"
+  # jq: runc-wrapper edits the OCI spec with it.
+  local missing=()
+  command -v dockerd >/dev/null || missing+=(docker.io)
+  command -v jq >/dev/null || missing+=(jq)
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    log "installing Debian's ${missing[*]}"
+    mkdir -p "$repo/.cache/kind"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >"$repo/.cache/kind/apt-docker.log" 2>&1 ||
+      die "apt-get install ${missing[*]} failed; see .cache/kind/apt-docker.log"
   fi
   command -v docker >/dev/null || die "no docker client on PATH"
   mkdir -p "$state/runtime"

@@ -1,0 +1,109 @@
+"""The pieces of `make e2e-kind` (e2e/kind/local/) that run without a Docker engine: the runc wrapper
+that lets privileged containers start where the machine withholds a capability, and the scripts'
+argument handling. The whole path (engine, node image, kind cluster, up.sh and its suite) is
+`make e2e-kind`, measured in docs/BENCHMARKS.md; it is not part of `make test`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from packaging_helpers import REPO
+
+LOCAL = REPO / "e2e" / "kind" / "local"
+ALL_CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT",
+    "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG",
+    "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+]  # fmt: skip
+
+
+def bounding_set() -> set[str]:
+    """The capabilities this process's bounding set holds (what the wrapper may keep)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("CapBnd:"))
+    bits = int(line.split()[1], 16)
+    return {name for i, name in enumerate(ALL_CAPS) if bits >> i & 1}
+
+
+def fake_runc(tmp_path: Path) -> Path:
+    """A 'real runc' that records its arguments."""
+    runc = tmp_path / "runc"
+    runc.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/args\n')
+    runc.chmod(0o755)
+    return runc
+
+
+def wrapper(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    if shutil.which("jq") is None:
+        pytest.fail("jq is missing: runc-wrapper edits the OCI spec with it (engine.sh installs it)")
+    return subprocess.run(
+        ["bash", str(LOCAL / "runc-wrapper"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "SOVEREIGN_REAL_RUNC": str(fake_runc(tmp_path))},
+    )
+
+
+def caps_spec() -> dict[str, list[str]]:
+    return {kind: list(ALL_CAPS) for kind in ("bounding", "effective", "permitted", "inheritable")}
+
+
+@pytest.mark.parametrize("bundle_flag", ["--bundle", "-b", "--bundle="])
+def test_create_keeps_only_the_capabilities_the_machine_can_grant(tmp_path: Path, bundle_flag: str) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    config = {"ociVersion": "1.2.0", "process": {"args": ["/sbin/init"], "capabilities": caps_spec()}}
+    (bundle / "config.json").write_text(json.dumps(config))
+    flag = [f"--bundle={bundle}"] if bundle_flag.endswith("=") else [bundle_flag, str(bundle)]
+    args = ["--root", "/run/runc", "--log-format", "json", "create", *flag, "--pid-file", "p", "ctr-1"]
+    proc = wrapper(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr
+    after = json.loads((bundle / "config.json").read_text())
+    keep = [c for c in ALL_CAPS if c in bounding_set()]
+    for kind in ("bounding", "effective", "permitted", "inheritable"):
+        assert after["process"]["capabilities"][kind] == keep
+    assert after["process"]["args"] == ["/sbin/init"]  # nothing else touched
+    assert (tmp_path / "args").read_text().splitlines() == args  # the real runc gets the same arguments
+
+
+def test_exec_strips_the_process_file_and_other_commands_pass_through(tmp_path: Path) -> None:
+    process = tmp_path / "process.json"
+    process.write_text(json.dumps({"args": ["sh"], "capabilities": caps_spec()}))
+    proc = wrapper(tmp_path, "exec", "--process", str(process), "ctr-1")
+    assert proc.returncode == 0, proc.stderr
+    assert set(json.loads(process.read_text())["capabilities"]["effective"]) <= bounding_set()
+    # state/delete/kill: no spec to edit, arguments untouched.
+    proc = wrapper(tmp_path, "--root", "/run/runc", "delete", "--force", "ctr-1")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "args").read_text().splitlines() == [
+        "--root",
+        "/run/runc",
+        "delete",
+        "--force",
+        "ctr-1",
+    ]
+
+
+def test_a_spec_without_capabilities_is_left_as_it_is(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    text = json.dumps({"ociVersion": "1.2.0", "process": {"args": ["true"]}})
+    (bundle / "config.json").write_text(text)
+    assert wrapper(tmp_path, "run", "--bundle", str(bundle), "c").returncode == 0
+    assert json.loads((bundle / "config.json").read_text()) == json.loads(text)
+
+
+@pytest.mark.parametrize("script", ["run.sh", "engine.sh"])
+def test_the_scripts_reject_what_they_do_not_know(script: str) -> None:
+    proc = subprocess.run(
+        ["bash", str(LOCAL / script), "--frobnicate"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
