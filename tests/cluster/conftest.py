@@ -31,8 +31,8 @@ import re
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -142,6 +142,14 @@ def namespace(kube: Kubectl, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace per test."""
     with fresh_namespace(kube, request.node.name) as name:
         yield name
+
+
+@pytest.fixture
+def more_namespaces(kube: Kubectl) -> Callable[[str], AbstractContextManager[str]]:
+    """`fresh_namespace` for a test that needs a second namespace (tests import fixtures, never
+    this module: `up.sh test` collects tests/cluster beside tests/packaging, whose conftest would
+    shadow it)."""
+    return lambda label: fresh_namespace(kube, label)
 
 
 @pytest.fixture(scope="module")

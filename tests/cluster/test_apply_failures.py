@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import pytest
 from cluster_helpers import Kubectl, OperatorHandle, condition, get_llmd, llmd, wait_for, wait_ready
-from conftest import fresh_namespace
 
 pytestmark = pytest.mark.cluster
 
@@ -17,7 +19,10 @@ TINY = {
 
 
 def test_quota_exceeded_names_the_child_and_other_deployments_keep_reconciling(
-    kube: Kubectl, operator: OperatorHandle, namespace: str
+    kube: Kubectl,
+    operator: OperatorHandle,
+    namespace: str,
+    more_namespaces: Callable[[str], AbstractContextManager[str]],
 ) -> None:
     kube.apply(
         {
@@ -34,7 +39,7 @@ def test_quota_exceeded_names_the_child_and_other_deployments_keep_reconciling(
         lambda: (kube.get("resourcequota", "no-pdbs", "-n", namespace).get("status") or {}).get("used"),
     )
     kube.apply(llmd("capped", TINY), namespace)
-    with fresh_namespace(kube, "apply-failures-other") as other:
+    with more_namespaces("apply-failures-other") as other:
         kube.apply(llmd("free", TINY), other)
 
         def degraded() -> dict | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,21 @@ def test_the_scripts_reject_what_they_do_not_know(script: str) -> None:
         ["bash", str(LOCAL / script), "--frobnicate"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2, proc.stderr
+
+
+def test_the_suite_up_sh_test_runs_is_collected_as_up_sh_names_it() -> None:
+    """`up.sh test` hands pytest tests/cluster and tests/packaging/test_chart_install.py together:
+    both directories' conftest modules are then loaded, and a test importing `conftest` by name got
+    the other one (found running `make e2e-kind`). Collecting exactly that selection must work."""
+    up = (REPO / "e2e" / "kind" / "up.sh").read_text()
+    args = up.split(".venv/bin/pytest ", 1)[1].splitlines()[0].split()
+    assert args[:2] == ["-m", "cluster"], args
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error" not in proc.stdout.splitlines()[-1].lower(), proc.stdout[-2000:]
