@@ -394,7 +394,7 @@ def test_small_expert_sets_run_densely_and_match_the_sparse_paths(
 ) -> None:
     """Routed experts small enough to stay in cache run every expert on every token (two products, the
     unchosen weighted 0) for 2 to DENSE_MOE_MAX_TOKENS tokens: the same sums as running the chosen experts
-    (bit for bit for one token, to fp32 rounding for more, where mm's row count changes its accumulation);
+    (to fp32 rounding: the products' shapes differ, and with them the kernels' accumulation order);
     larger sets, bigger batches and other dtypes keep the sparse paths; the stacked copy follows weight
     updates."""
     from sovereign_runtime.model import layers
@@ -416,10 +416,9 @@ def test_small_expert_sets_run_densely_and_match_the_sparse_paths(
             torch.testing.assert_close(moe(x), sparse(x), rtol=1e-5, atol=1e-6)
             weights, ids = moe.gate(x)
             dense = moe._dense(x, weights, ids, *moe._dense_stack(x))
-            if tokens == 1:
-                assert torch.equal(dense + moe.shared_experts(x), sparse(x))
-            else:
-                torch.testing.assert_close(dense + moe.shared_experts(x), sparse(x), rtol=1e-5, atol=1e-6)
+            # To fp32 rounding: one token matched bit for bit on the Intel hosts this was written on,
+            # not on an AMD EPYC, where MKL picks a different kernel for the stacked product's shape.
+            torch.testing.assert_close(dense + moe.shared_experts(x), sparse(x), rtol=1e-5, atol=1e-6)
 
         def dense_out(x: torch.Tensor) -> torch.Tensor:
             weights, ids = moe.gate(x)
@@ -431,15 +430,17 @@ def test_small_expert_sets_run_densely_and_match_the_sparse_paths(
         before = dense_out(x)
         for expert in moe.experts:
             expert.down_proj.weight.mul_(2)  # in place: a new version
-        assert torch.equal(dense_out(x), sparse(x)) and not torch.equal(dense_out(x), before)
+        torch.testing.assert_close(dense_out(x), sparse(x), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(dense_out(x), before)
         for expert in moe.experts:  # replaced
             expert.gate_proj.weight = torch.nn.Parameter(expert.gate_proj.weight * 3)
-        assert torch.equal(dense_out(x), sparse(x))
+        torch.testing.assert_close(dense_out(x), sparse(x), rtol=1e-5, atol=1e-6)
         before = dense_out(x)
         for expert in moe.experts:
             expert.up_proj.weight.data[:2] = 5.0  # through .data: needs forget_derived_weights
         forget_derived_weights(model)
-        assert torch.equal(dense_out(x), sparse(x)) and not torch.equal(dense_out(x), before)
+        torch.testing.assert_close(dense_out(x), sparse(x), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(dense_out(x), before)
         assert moe._dense_stack(x.double()) is None  # another dtype than the experts'
         monkeypatch.setattr(layers, "DENSE_MOE_MAX_BYTES", 1024)
         forget_derived_weights(model)

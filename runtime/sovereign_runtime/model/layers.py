@@ -249,7 +249,7 @@ class MoE(nn.Module):
 
         ``gate_up`` [E * 2I, H] holds expert e's gate rows then its up rows, ``down`` [E, H, I] the down
         projections in their own layout (products read them transposed, as ``mm`` reads a linear's weight:
-        for one token each expert's output is then bit for bit the expert module's). A copy, affordable
+        for one token each expert's output then matched the expert module's bit for bit on Intel hosts; to fp32 rounding on others). A copy, affordable
         because it is small; rebuilt when any expert weight is replaced or updated in place
         (``forget_derived_weights`` for writes through ``.data``).
         """
