@@ -90,8 +90,10 @@ KIND_NODE_IMAGE="$NODE_IMAGE:$KUBE_VERSION" SKIP_BUILD=true e2e/kind/up.sh
 phase "up.sh (cluster, chart, tiny answering)"
 # 5. Fake GPUs and RDMA on the chosen workers (FAKE_GPU_NODES, default every worker): labelled as NVIDIA's
 #    GPU operator labels an H100 node, advertised by our device plugin; then a GPU example must schedule.
-export KUBECONFIG="$repo/.cluster/kind-sovereign-cpu.kubeconfig"
-read -r -a gpu_nodes <<<"${FAKE_GPU_NODES:-$(kind get nodes --name sovereign-cpu | grep -v control-plane | tr '\n' ' ')}"
+# The cluster up.sh made: its name and kubeconfig as up.sh derives them from the CPU config.
+cluster="$(sed -n 's/^name: //p' "$repo/e2e/kind/kind-cpu.yaml")"
+export KUBECONFIG="$repo/.cluster/kind-$cluster.kubeconfig"
+read -r -a gpu_nodes <<<"${FAKE_GPU_NODES:-$(kind get nodes --name "$cluster" | grep -v control-plane | tr '\n' ' ')}"
 [[ ${#gpu_nodes[@]} -gt 0 ]] || die "no worker to give fake GPUs (FAKE_GPU_NODES)"
 kubectl label --overwrite node "${gpu_nodes[@]}" nvidia.com/gpu.present=true \
   nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3 nvidia.com/gpu.count=8 nvidia.com/gpu.memory=81559 \
