@@ -241,7 +241,11 @@ def test_gpu_pods_never_land_on_the_real_node(
         return kube.get("pod", "-n", ns, name)["spec"].get("nodeName")
 
     gpu_node = wait_for("the GPU pod to be scheduled", lambda: placed("gpu"), timeout=60)
-    assert gpu_node.startswith("gpu-node-"), gpu_node
+    # Any fake GPU node will do (gpu-node-* or the multi-node h100-node-*): the scheduler's choice
+    # among them is its own.
+    gpu_labels = kube.get("node", gpu_node)["metadata"]["labels"]
+    assert gpu_node != real_node_name and gpu_labels.get("type") == "kwok", gpu_node
+    assert gpu_labels.get("nvidia.com/gpu.present") == "true", gpu_node
     # ExtendedResourceToleration gave it the toleration for the GPU nodes' taint.
     tolerations = kube.get("pod", "-n", ns, "gpu")["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
