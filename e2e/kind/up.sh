@@ -120,7 +120,11 @@ runtime_image="$image_repo/sovereign-runtime:$image_tag"
 if [[ "${SKIP_BUILD:-false}" != true ]]; then
   make images IMAGE_REPO="$image_repo" IMAGE_TAG="$image_tag"
 fi
-kind load docker-image --name "$cluster" "$operator_image" "$runtime_image"
+# Into the workers only: the control plane is tainted against these pods, and each node's copy of the
+# runtime image costs minutes and gigabytes.
+workers="$(kind get nodes --name "$cluster" | grep -v -- '-control-plane[0-9]*$' | paste -sd, -)"
+[[ -n "$workers" ]] || die "kind cluster $cluster has no worker node"
+kind load docker-image --name "$cluster" --nodes "$workers" "$operator_image" "$runtime_image"
 
 # 4. The chart (CRDs, operator, RBAC).
 helm upgrade --install sovereign "$repo/charts/sovereign" \

@@ -449,14 +449,16 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path, service_account: st
 
 
 @contextmanager
-def port_forward(kube: Kubectl, ns: str, service: str, port: int) -> Iterator[str]:
-    """`kubectl port-forward service/<service>` to a free local port; yields its base URL."""
+def port_forward(kube: Kubectl, ns: str, service: str, port: int, kind: str = "service") -> Iterator[str]:
+    """`kubectl port-forward <kind>/<service>` to a free local port; yields its base URL. Through the
+    kubelet into the pod, so it works where the host cannot route to pod IPs (kind) and where a
+    NetworkPolicy admits only the router and the operator."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         local = s.getsockname()[1]
     cmd = [KUBECTL, "--kubeconfig", str(kube.kubeconfig), "port-forward", "-n", ns]
     proc = subprocess.Popen(
-        [*cmd, f"service/{service}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [*cmd, f"{kind}/{service}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
         deadline = time.monotonic() + 30

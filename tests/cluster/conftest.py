@@ -22,6 +22,9 @@ on other clusters; on the local control plane they always run:
 - `fake_gpu_nodes`: kwok's fake 8x H200 nodes, whose RDMA capacity the tests switch on and off and
   whose pods become Ready without images or weights;
 - `local_operator`: the operator as a process on this machine (it must reach a server on 127.0.0.1).
+The operator's real pods (`real_pods_namespace`) run on the local cluster's real node there, and on a
+kind cluster on its workers (`real_nodes`); tests that need this machine's node itself (its cgroups,
+a hostPath here, the images imported into it) take `real_node_name` and are skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -196,13 +199,39 @@ def real_node_runtime_image(real_node_name: str) -> str:
     return str(image["ref"])
 
 
+@pytest.fixture(scope="session")
+def real_nodes(kube: Kubectl, request: pytest.FixtureRequest) -> frozenset[str]:
+    """The nodes whose kubelets run the operator's pods for real: the local cluster's real node, or on
+    another cluster whose chart-installed operator these tests use (kind: `e2e/kind/up.sh test`) its
+    Ready worker nodes that are not kwok's. There the runtime image is the one the chart names, which
+    up.sh loaded into the nodes."""
+    if kube.local:
+        return frozenset({request.getfixturevalue("real_node_name")})
+    if operator_mode() != "external":
+        pytest.skip(
+            "real pods on another cluster need its installed operator (SOVEREIGN_TEST_OPERATOR=external)"
+        )
+    nodes = frozenset(
+        node["metadata"]["name"]
+        for node in kube.items("nodes")
+        if node["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") != "fake"
+        and "node-role.kubernetes.io/control-plane" not in node["metadata"].get("labels", {})
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+    )
+    if not nodes:
+        pytest.skip("this cluster has no Ready worker node whose kubelet runs pods for real")
+    return nodes
+
+
 @pytest.fixture
 def real_pods_namespace(
-    kube: Kubectl, real_node_name: str, real_node_runtime_image: str, request: pytest.FixtureRequest
+    kube: Kubectl, real_nodes: frozenset[str], request: pytest.FixtureRequest
 ) -> Iterator[str]:
-    """A namespace as a user makes one, per test, for the operator's pods on the real node (with the
-    runtime image imported there): pods of one test never hold the node's two CPUs while the next
-    one starts."""
+    """A namespace as a user makes one, per test, for the operator's pods on the real nodes (on the
+    local cluster with the runtime image imported into its node): pods of one test never hold the
+    node's two CPUs while the next one starts."""
+    if kube.local:
+        request.getfixturevalue("real_node_runtime_image")
     with fresh_namespace(kube, request.node.name, fake_nodes=False) as name:
         yield name
         # The deployments first, then the namespace once their pods are gone: deleted together, the

@@ -117,7 +117,7 @@ def assert_mostly_correct(questions: Sequence[Question], answers: Sequence[str])
 
 
 def test_tiny_runs_on_the_real_node_and_answers_through_its_endpoint(
-    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, real_node_name: str
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, real_nodes: frozenset[str]
 ) -> None:
     ns = real_pods_namespace
     applied = time.monotonic()
@@ -125,9 +125,7 @@ def test_tiny_runs_on_the_real_node_and_answers_through_its_endpoint(
     obj = wait_ready(kube, operator, ns, "tiny", timeout=READY_TIMEOUT)
     ready_after = time.monotonic() - applied
     pods = pods_of(kube, ns, "tiny")
-    assert {p["spec"]["nodeName"] for p in pods} == {real_node_name}, [
-        p["spec"].get("nodeName") for p in pods
-    ]
+    assert {p["spec"]["nodeName"] for p in pods} <= real_nodes, [p["spec"].get("nodeName") for p in pods]
     for pod in pods:
         (status,) = pod["status"]["containerStatuses"]
         assert status["ready"] and status["state"].get("running"), status

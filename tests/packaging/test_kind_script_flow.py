@@ -32,7 +32,7 @@ case "$name" in
           [[ "$1" == --config ]] && sed -n 's/^name: //p' "$2" >>"$SHIM_STATE/clusters"
           shift
         done ;;
-      "get nodes") echo "sovereign-gpu-control-plane"; echo "sovereign-gpu-worker" ;;
+      "get nodes") echo "$4-control-plane"; echo "$4-worker"; [[ "$4" == sovereign-cpu ]] && echo "$4-worker2" ;;
       "get kubeconfig") echo "apiVersion: v1" ;;
     esac ;;
   kubectl)
@@ -131,7 +131,8 @@ def test_cpu_run_reaches_every_step_in_order(tmp_path: Path) -> None:
         f"kind create cluster --config {repo}/e2e/kind/kind-cpu.yaml --kubeconfig "
         f"{repo}/.cluster/kind-sovereign-cpu.kubeconfig",
         f"make images IMAGE_REPO=ghcr.io/sovereign-ai IMAGE_TAG={VERSION}",
-        f"kind load docker-image --name sovereign-cpu {operator} {runtime}",
+        f"kind load docker-image --name sovereign-cpu --nodes sovereign-cpu-worker,sovereign-cpu-worker2 "
+        f"{operator} {runtime}",
         f"helm upgrade --install sovereign {repo}/charts/sovereign --namespace sovereign-system",
         "kubectl wait --for=condition=Established crd/llmdeployments.sovereign.ai",
         f"kubectl apply -n default -f {repo}/examples/tiny.yaml",
@@ -165,7 +166,7 @@ def test_gpu_run_adds_the_toolkit_device_plugin_and_gpu_model(tmp_path: Path) ->
         "docker exec sovereign-gpu-worker nvidia-ctk runtime configure --runtime=containerd --set-as-default",
         "helm upgrade --install nvidia-device-plugin nvdp/nvidia-device-plugin",
         "make images",
-        "kind load docker-image --name sovereign-gpu",
+        "kind load docker-image --name sovereign-gpu --nodes sovereign-gpu-worker ",
         "helm upgrade --install sovereign",
         f"kubectl apply -n default -f {repo}/examples/tiny.yaml",
         f"kubectl apply -n default -f {repo}/e2e/kind/gpu-tiny.yaml",

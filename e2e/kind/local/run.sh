@@ -88,12 +88,13 @@ phase "runtime and operator images"
 # 4. The flow users run, with the images built here.
 KIND_NODE_IMAGE="$NODE_IMAGE:$KUBE_VERSION" SKIP_BUILD=true e2e/kind/up.sh
 phase "up.sh (cluster, chart, tiny answering)"
-# 5. Fake GPUs and RDMA on the chosen workers (FAKE_GPU_NODES, default every worker): labelled as NVIDIA's
-#    GPU operator labels an H100 node, advertised by our device plugin; then a GPU example must schedule.
+# 5. Fake GPUs and RDMA on the chosen workers (FAKE_GPU_NODES, default the last worker): labelled as
+#    NVIDIA's GPU operator labels an H100 node, advertised by our device plugin; then the GPU example
+#    (e2e/kind/gpu-tiny.yaml) must be scheduled there.
 # The cluster up.sh made: its name and kubeconfig as up.sh derives them from the CPU config.
 cluster="$(sed -n 's/^name: //p' "$repo/e2e/kind/kind-cpu.yaml")"
 export KUBECONFIG="$repo/.cluster/kind-$cluster.kubeconfig"
-read -r -a gpu_nodes <<<"${FAKE_GPU_NODES:-$(kind get nodes --name "$cluster" | grep -v control-plane | tr '\n' ' ')}"
+read -r -a gpu_nodes <<<"${FAKE_GPU_NODES:-$(kind get nodes --name "$cluster" | grep -v -- '-control-plane[0-9]*$' | sort | tail -1)}"
 [[ ${#gpu_nodes[@]} -gt 0 ]] || die "no worker to give fake GPUs (FAKE_GPU_NODES)"
 kubectl label --overwrite node "${gpu_nodes[@]}" nvidia.com/gpu.present=true \
   nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3 nvidia.com/gpu.count=8 nvidia.com/gpu.memory=81559 \
@@ -109,6 +110,23 @@ for node in "${gpu_nodes[@]}"; do
     die "$node does not advertise nvidia.com/gpu: 8; kubectl -n kube-system logs daemonset/fakegpu"
 done
 log "fake GPUs on ${gpu_nodes[*]}: $(kubectl get node "${gpu_nodes[0]}" -o jsonpath='{.status.allocatable}')"
+# The GPU example, scheduled by the real scheduler onto a fake GPU worker. Its pod cannot serve (no CUDA
+# behind the fake devices), so this waits for PodScheduled, not Ready, and removes it again.
+gpu_check_ns=fake-gpu-check
+kubectl create namespace "$gpu_check_ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+kubectl -n "$gpu_check_ns" apply -f "$repo/e2e/kind/gpu-tiny.yaml" >/dev/null
+gpu_pod_node=""
+for _ in $(seq 90); do
+  gpu_pod_node="$(kubectl -n "$gpu_check_ns" get pods -l app.kubernetes.io/component!=router \
+    -o jsonpath='{range .items[*]}{.spec.nodeName}{"\n"}{end}' 2>/dev/null | grep -m1 . || true)"
+  [[ -n "$gpu_pod_node" ]] && break
+  sleep 2
+done
+kubectl -n "$gpu_check_ns" get pods -o wide >&2 || true
+[[ " ${gpu_nodes[*]} " == *" $gpu_pod_node "* ]] ||
+  die "the GPU example's pod was not scheduled onto a fake GPU worker (got '${gpu_pod_node:-none}')"
+log "the GPU example's pod was scheduled onto $gpu_pod_node"
+kubectl delete namespace "$gpu_check_ns" --wait=false >/dev/null
 phase "fake GPU nodes"
 
 if [[ "$run_tests" == true ]]; then
