@@ -126,3 +126,64 @@ def test_the_suite_up_sh_test_runs_is_collected_as_up_sh_names_it() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error" not in proc.stdout.splitlines()[-1].lower(), proc.stdout[-2000:]
+
+
+def _lws_manifests() -> object:
+    """e2e/kind/local/lws_manifests.py, loaded by path (a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lws_manifests", LOCAL / "lws_manifests.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lws_manifests_run_our_image_small_and_non_root_and_leave_the_rest_as_upstream_wrote_it() -> None:
+    lws = _lws_manifests()
+    upstream = [
+        {"kind": "Namespace", "metadata": {"name": "lws-system"}},
+        None,  # an empty document between two `---`
+        {
+            "kind": "Deployment",
+            "metadata": {"name": "lws-controller-manager", "namespace": "lws-system"},
+            "spec": {
+                "replicas": 2,
+                "template": {
+                    "spec": {
+                        "securityContext": {"runAsNonRoot": True},
+                        "containers": [
+                            {
+                                "name": "manager",
+                                "image": "registry.example/lws:release",
+                                "resources": {"requests": {"cpu": 1, "memory": "1Gi"}},
+                            }
+                        ],
+                    }
+                },
+            },
+        },
+    ]
+    fitted = lws.fit_for_kind(upstream, "sovereign.local/kind/lws:local")  # type: ignore[attr-defined]
+    assert [d["kind"] for d in fitted] == ["Namespace", "Deployment"]
+    assert fitted[0] == {"kind": "Namespace", "metadata": {"name": "lws-system"}}
+    deployment = fitted[1]["spec"]
+    pod = deployment["template"]["spec"]
+    (manager,) = pod["containers"]
+    assert deployment["replicas"] == 1
+    assert (
+        manager["image"] == "sovereign.local/kind/lws:local" and manager["imagePullPolicy"] == "IfNotPresent"
+    )
+    assert manager["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}}
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532}
+
+
+def test_lws_manifests_without_the_controller_stop_with_the_reason() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(LOCAL / "lws_manifests.py"), "img"],
+        input="kind: Namespace\nmetadata: {name: lws-system}\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "no Deployment lws-controller-manager" in proc.stderr

@@ -44,6 +44,9 @@ for tool in kubelet kube-apiserver kube-controller-manager kube-scheduler kube-p
   [[ -x "$cbin/$tool" ]] || die "e2e/cluster/bin/$tool is missing: e2e/cluster/build.sh did not build the real node ($(cat "$cbin/.node-unbuildable" 2>/dev/null || echo 'no reason recorded'))"
 done
 
+# LeaderWorkerSet's controller (a no-op when built), for multi-node replicas on kind.
+"$repo/e2e/cluster/lws.sh" build >&2
+
 # 2. kind, kubeadm, crictl.
 if [[ "$("$bin/kind" version 2>/dev/null | awk '{print $2}')" != "$KIND_VERSION" ]]; then
   log "kind $KIND_VERSION"
@@ -85,7 +88,8 @@ inputs_hash="$(
   cat "$repo/e2e/cluster/versions.env" "$here/versions.env" "$here/build.sh" "$here/podnet" "$here/podnet.yaml" \
     "$here/runc-wrapper" "$here/node.Dockerfile" "$bin"/* \
     "$cbin"/{kubelet,kube-apiserver,kube-controller-manager,kube-scheduler,kube-proxy,kubectl,etcd} \
-    "$cbin"/{containerd,containerd-shim-runc-v2,ctr,runc,coredns,pause} "$cbin"/cni/* | sha1sum | cut -c1-16
+    "$cbin"/{containerd,containerd-shim-runc-v2,ctr,runc,coredns,pause} "$cbin"/cni/* "$cbin/lws/lws-controller" |
+    sha1sum | cut -c1-16
 )"
 node_ref="$NODE_IMAGE:$KUBE_VERSION"
 if [[ "$(docker image inspect -f '{{index .Config.Labels "sovereign.inputs"}}' "$node_ref" 2>/dev/null)" == "$inputs_hash" ]]; then
@@ -143,7 +147,7 @@ on_rootfs() {
   printf 'FROM %s\n%s' "$rootfs_ref" "$copies" >"$ctx/image/Dockerfile"
   build -t "$ref" "$ctx/image"
 }
-log "images: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, etcd, coredns, pause, podnet, fakegpu"
+log "images: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, etcd, coredns, pause, podnet, fakegpu, lws"
 for component in kube-apiserver kube-controller-manager kube-scheduler etcd; do
   single "$(ref_of "$component")" "$cbin/$component" "/usr/local/bin/$component"
 done
@@ -153,9 +157,11 @@ single "$(ref_of coredns)" "$cbin/coredns" /coredns
 single "$sandbox" "$cbin/pause" /pause
 docker tag "$sandbox" "$(ref_of pause)"
 single "$FAKEGPU_IMAGE" "$bin/fakegpu" /fakegpu
+# LeaderWorkerSet's manifests run /manager.
+single "$LWS_IMAGE" "$cbin/lws/lws-controller" /manager
 on_rootfs "$(ref_of kube-proxy)" "$cbin/kube-proxy"
 on_rootfs "$PODNET_IMAGE" "$here/podnet" "$cbin/kubectl"
-images=("${wanted[@]}" "$sandbox" "$PODNET_IMAGE" "$FAKEGPU_IMAGE")
+images=("${wanted[@]}" "$sandbox" "$PODNET_IMAGE" "$FAKEGPU_IMAGE" "$LWS_IMAGE")
 for i in "${!images[@]}"; do
   docker save -o "$ctx/images/$i.tar" "${images[$i]}"
 done

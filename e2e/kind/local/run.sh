@@ -129,6 +129,25 @@ log "the GPU example's pod was scheduled onto $gpu_pod_node"
 kubectl delete namespace "$gpu_check_ns" --wait=false >/dev/null
 phase "fake GPU nodes"
 
+# 6. LeaderWorkerSet, for multi-node replicas (nodesPerReplica > 1): upstream's manifests from the module
+#    e2e/cluster/lws pins, with the controller image built into the node image (lws_manifests.py).
+lws_dir="$(cd "$repo/e2e/cluster/lws" && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)"
+kubectl kustomize "$lws_dir/config/default" | "$repo/.venv/bin/python" "$here/lws_manifests.py" "$LWS_IMAGE" |
+  kubectl apply --server-side --force-conflicts -f - >/dev/null
+kubectl -n lws-system rollout status deployment/lws-controller-manager --timeout=180s
+# The controller writes its webhooks' CA bundle once its certificate exists; until then a
+# LeaderWorkerSet cannot be created.
+for _ in $(seq 90); do
+  [[ -n "$(kubectl get validatingwebhookconfiguration lws-validating-webhook-configuration \
+    -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] && break
+  sleep 2
+done
+[[ -n "$(kubectl get validatingwebhookconfiguration lws-validating-webhook-configuration \
+  -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] ||
+  die "LeaderWorkerSet's webhooks got no CA bundle; kubectl -n lws-system logs deployment/lws-controller-manager"
+log "LeaderWorkerSet $(cd "$repo/e2e/cluster/lws" && go list -m -f '{{.Version}}' sigs.k8s.io/lws) running"
+phase "LeaderWorkerSet"
+
 if [[ "$run_tests" == true ]]; then
   e2e/kind/up.sh test
   phase "up.sh test"
