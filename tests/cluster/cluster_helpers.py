@@ -237,13 +237,15 @@ class ExternalOperator:
         return proc.stdout or proc.stderr
 
 
+def is_kwok_node(node: dict[str, Any]) -> bool:
+    """A node kwok fakes (no kubelet: its pods never run)."""
+    return node["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") == "fake"
+
+
 def has_fake_gpu_nodes(kube: Kubectl) -> bool:
     """Whether the cluster has kwok's fake GPU nodes (the local control plane), whose capacity the
     tests may rewrite (RDMA on/off) and whose pods start without images or weights."""
-    return any(
-        node["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") == "fake"
-        for node in kube.items("nodes", "-l", GPU_NODE_SELECTOR)
-    )
+    return any(is_kwok_node(node) for node in kube.items("nodes", "-l", GPU_NODE_SELECTOR))
 
 
 def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
@@ -449,8 +451,8 @@ def make_operator_kubeconfig(kube: Kubectl, directory: Path, service_account: st
 
 
 @contextmanager
-def port_forward(kube: Kubectl, ns: str, service: str, port: int, kind: str = "service") -> Iterator[str]:
-    """`kubectl port-forward <kind>/<service>` to a free local port; yields its base URL. Through the
+def port_forward(kube: Kubectl, ns: str, name: str, port: int, kind: str = "service") -> Iterator[str]:
+    """`kubectl port-forward <kind>/<name>` to a free local port; yields its base URL. Through the
     kubelet into the pod, so it works where the host cannot route to pod IPs (kind) and where a
     NetworkPolicy admits only the router and the operator."""
     with socket.socket() as s:
@@ -458,7 +460,7 @@ def port_forward(kube: Kubectl, ns: str, service: str, port: int, kind: str = "s
         local = s.getsockname()[1]
     cmd = [KUBECTL, "--kubeconfig", str(kube.kubeconfig), "port-forward", "-n", ns]
     proc = subprocess.Popen(
-        [*cmd, f"{kind}/{service}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [*cmd, f"{kind}/{name}", f"{local}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
         deadline = time.monotonic() + 30

@@ -48,8 +48,10 @@ from cluster_helpers import (
     Kubectl,
     OperatorHandle,
     OperatorProcess,
+    condition,
     create_namespace,
     has_fake_gpu_nodes,
+    is_kwok_node,
     local_kubeconfig,
     make_operator_kubeconfig,
     reachable,
@@ -214,9 +216,9 @@ def real_nodes(kube: Kubectl, request: pytest.FixtureRequest) -> frozenset[str]:
     nodes = frozenset(
         node["metadata"]["name"]
         for node in kube.items("nodes")
-        if node["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") != "fake"
+        if not is_kwok_node(node)
         and "node-role.kubernetes.io/control-plane" not in node["metadata"].get("labels", {})
-        and any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+        and (condition(node, "Ready") or {}).get("status") == "True"
     )
     if not nodes:
         pytest.skip("this cluster has no Ready worker node whose kubelet runs pods for real")

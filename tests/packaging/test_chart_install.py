@@ -260,10 +260,13 @@ def test_chart_rbac_suffices_to_apply_every_child(
     cluster: Cluster, release: dict[str, str], example: str, rdma: str
 ):
     ns = release["namespace"]
-    lws = cluster.kubectl("get", "crd", "leaderworkersets.leaderworkerset.x-k8s.io", check=False)
-    if example == "deepseek-v3-h100.yaml" and lws.returncode != 0:
-        # Its multi-node pools render LeaderWorkerSets. The local control plane always installs the
-        # CRD (there its absence is a broken setup); another cluster may not have it.
+    # Its multi-node pools render LeaderWorkerSets. The local control plane always installs the CRD
+    # (there its absence is a broken setup); another cluster may not have it.
+    lws_crd = "leaderworkersets.leaderworkerset.x-k8s.io"
+    if (
+        example == "deepseek-v3-h100.yaml"
+        and (lws := cluster.kubectl("get", "crd", lws_crd, check=False)).returncode
+    ):
         assert cluster.kubeconfig != LOCAL_KUBECONFIG, lws.stderr
         pytest.skip(
             "LeaderWorkerSet is not installed on this cluster (e2e/cluster/cluster.sh up installs it)"

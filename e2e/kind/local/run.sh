@@ -131,21 +131,23 @@ phase "fake GPU nodes"
 
 # 6. LeaderWorkerSet, for multi-node replicas (nodesPerReplica > 1): upstream's manifests from the module
 #    e2e/cluster/lws pins, with the controller image built into the node image (lws_manifests.py).
-lws_dir="$(cd "$repo/e2e/cluster/lws" && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)"
+read -r lws_dir lws_version < <(cd "$repo/e2e/cluster/lws" && go list -m -f '{{.Dir}} {{.Version}}' sigs.k8s.io/lws)
 kubectl kustomize "$lws_dir/config/default" | "$repo/.venv/bin/python" "$here/lws_manifests.py" "$LWS_IMAGE" |
   kubectl apply --server-side --force-conflicts -f - >/dev/null
 kubectl -n lws-system rollout status deployment/lws-controller-manager --timeout=180s
 # The controller writes its webhooks' CA bundle once its certificate exists; until then a
 # LeaderWorkerSet cannot be created.
+lws_ca_bundle() {
+  kubectl get validatingwebhookconfiguration lws-validating-webhook-configuration \
+    -o jsonpath='{.webhooks[0].clientConfig.caBundle}'
+}
 for _ in $(seq 90); do
-  [[ -n "$(kubectl get validatingwebhookconfiguration lws-validating-webhook-configuration \
-    -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] && break
+  [[ -n "$(lws_ca_bundle)" ]] && break
   sleep 2
 done
-[[ -n "$(kubectl get validatingwebhookconfiguration lws-validating-webhook-configuration \
-  -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] ||
+[[ -n "$(lws_ca_bundle)" ]] ||
   die "LeaderWorkerSet's webhooks got no CA bundle; kubectl -n lws-system logs deployment/lws-controller-manager"
-log "LeaderWorkerSet $(cd "$repo/e2e/cluster/lws" && go list -m -f '{{.Version}}' sigs.k8s.io/lws) running"
+log "LeaderWorkerSet $lws_version running"
 phase "LeaderWorkerSet"
 
 if [[ "$run_tests" == true ]]; then
