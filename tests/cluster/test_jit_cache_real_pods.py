@@ -1,11 +1,14 @@
-"""A persistent JIT cache and learned startup budgets, on the local cluster's real node (issue 16).
+"""A persistent JIT cache and learned startup budgets, on real pods (issue 16): the local cluster's
+real node, or another cluster's workers (kind: `e2e/kind/up.sh test`).
 
 The tiny deployment's pods hold their `compiling` phase like a cold kernel compilation
 (`--debug-hold-compiling-s`, test only) and leave the result in the JIT cache
 (`--debug-hold-compiling-cached-s`: a later start that finds it holds briefly, as with warm kernels).
-The cache is `spec.startup.jitCache.pvc`: a claim bound to a local PersistentVolume on the real node (the
-local control plane has no dynamic provisioner; a static PV is how such a cluster offers storage), which
-outlives the pods and which the kubelet makes writable to the runtime's user through the pod's fsGroup.
+The cache is `spec.startup.jitCache.pvc`, a claim that outlives the pods: on the local cluster bound to
+a local PersistentVolume on the real node (its control plane has no dynamic provisioner; a static PV is
+how such a cluster offers storage), which the kubelet makes writable to the runtime's user through the
+pod's fsGroup; elsewhere a claim of the cluster's default StorageClass, which its provisioner fills
+(kind: the local-path provisioner, a directory on the node the pod is scheduled to).
 
 First start: cold, slower than the hold. The pod deleted, its replacement starts warm and measurably
 faster. Both starts are samples in `status.startupObservations`; the StatefulSet keeps the formula's
@@ -20,12 +23,13 @@ import math
 import secrets
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster_helpers import Kubectl, OperatorHandle, get_llmd, llmd, wait_for, wait_ready
+from cluster_helpers import Kubectl, OperatorHandle, get_llmd, llmd, port_forward, wait_for, wait_ready
+from sovereign_operator.render.children import JIT_CACHE_MOUNT
 from test_real_pods import READY_TIMEOUT, restarts, tiny_spec, worker_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -39,6 +43,10 @@ HOLD_WARM_S = 2
 HOLD_MARK = "sovereign-debug-hold.json"  # what a completed hold leaves (runtime: HOLD_CACHE_MARK)
 NAME = "jit"
 POD = f"{NAME}-unified-0"
+CLAIM = "jit-cache"
+DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
+# What the cache holds, listed as found: its hold marks.
+MarkLister = Callable[[], list[str]]
 
 
 def whole_periods(seconds: float) -> int:
@@ -50,16 +58,43 @@ def startup_threshold(sts: dict[str, Any]) -> int:
 
 
 @pytest.fixture
-def jit_cache_claim(
+def jit_cache_claim(kube: Kubectl, real_pods_namespace: str, request: pytest.FixtureRequest) -> MarkLister:
+    """The claim `CLAIM` in the test's namespace, and how to list the hold marks in the volume behind it."""
+    if kube.local:
+        return request.getfixturevalue("local_jit_cache_claim")
+    classes = kube.items("storageclasses")
+    if not any(c["metadata"].get("annotations", {}).get(DEFAULT_CLASS) == "true" for c in classes):
+        pytest.skip("this cluster has no default StorageClass for the JIT cache's claim")
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": CLAIM},
+            # One replica: a claim of one node's volume (local-path offers no other).
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+        real_pods_namespace,
+    )
+
+    def marks_in_the_pod() -> list[str]:
+        found = kube.run(
+            "exec", "-n", real_pods_namespace, POD, "--", "find", JIT_CACHE_MOUNT, "-name", HOLD_MARK
+        )
+        return found.stdout.split()
+
+    return marks_in_the_pod
+
+
+@pytest.fixture
+def local_jit_cache_claim(
     kube: Kubectl, real_pods_namespace: str, real_node_name: str, tmp_path: Path
-) -> Iterator[tuple[str, Path]]:
-    """(claim name, the directory on the real node behind it): a `local` PersistentVolume pinned to the
-    real node (a directory of this machine, which is that node) and a claim bound to it. `local` rather
-    than `hostPath`: the kubelet applies the pod's fsGroup to it, as to a provisioned volume."""
+) -> Iterator[MarkLister]:
+    """A `local` PersistentVolume pinned to the real node (a directory of this machine, which is that
+    node) and the claim bound to it. `local` rather than `hostPath`: the kubelet applies the pod's
+    fsGroup to it, as to a provisioned volume."""
     directory = tmp_path / "jit-cache"
     directory.mkdir()
     pv = f"sovereign-jit-cache-{secrets.token_hex(3)}"
-    claim = "jit-cache"
     kube.apply(
         {
             "apiVersion": "v1",
@@ -95,7 +130,7 @@ def jit_cache_claim(
             {
                 "apiVersion": "v1",
                 "kind": "PersistentVolumeClaim",
-                "metadata": {"name": claim},
+                "metadata": {"name": CLAIM},
                 "spec": {
                     "accessModes": ["ReadWriteMany"],
                     "storageClassName": pv,
@@ -105,7 +140,7 @@ def jit_cache_claim(
             },
             real_pods_namespace,
         )
-        yield claim, directory
+        yield lambda: [str(mark) for mark in directory.rglob(HOLD_MARK)]
     finally:
         # The namespace (and the claim with it) goes after the test; the PV is cluster-wide.
         kube.run("delete", "pv", pv, "--wait=false", check=False)
@@ -123,24 +158,26 @@ def pod_log(kube: Kubectl, ns: str, pod: str) -> str:
 
 
 def startup_phases(kube: Kubectl, ns: str) -> dict[str, float]:
-    """The worker's own account of its start (`/health/startup`'s phase_seconds), read on its pod IP
-    (this machine routes to the node's pods, as the operator does)."""
+    """The worker's own account of its start (`/health/startup`'s phase_seconds), through a
+    port-forward (kind's host does not route to pod IPs)."""
     [pod] = worker_pods(kube, ns, NAME)
-    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/health/startup", timeout=10) as reply:
+    with (
+        port_forward(kube, ns, pod["metadata"]["name"], 8000, kind="pod") as base,
+        urllib.request.urlopen(f"{base}/health/startup", timeout=10) as reply,
+    ):
         return dict(json.load(reply)["phase_seconds"])
 
 
 def test_a_persistent_jit_cache_makes_later_starts_faster_and_the_learned_budget_shrinks(
-    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, jit_cache_claim: tuple[str, Path]
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, jit_cache_claim: MarkLister
 ) -> None:
     ns = real_pods_namespace
-    claim, directory = jit_cache_claim
     args = [
         "--enable-fault-injection",
         *("--debug-hold-compiling-s", str(HOLD_COLD_S)),
         *("--debug-hold-compiling-cached-s", str(HOLD_WARM_S)),
     ]
-    spec: dict[str, Any] = {**tiny_spec(args=args), "startup": {"jitCache": {"pvc": {"claimName": claim}}}}
+    spec: dict[str, Any] = {**tiny_spec(args=args), "startup": {"jitCache": {"pvc": {"claimName": CLAIM}}}}
     kube.apply(llmd(NAME, spec), ns)
 
     # 1. The first start, on an empty cache: it compiles (holds HOLD_COLD_S) and leaves the result.
@@ -157,8 +194,7 @@ def test_a_persistent_jit_cache_makes_later_starts_faster_and_the_learned_budget
     assert "is cold" in pod_log(kube, ns, POD)
     cold_phases = startup_phases(kube, ns)
     assert cold_phases["compiling"] >= HOLD_COLD_S, cold_phases
-    marks = list(directory.rglob(HOLD_MARK))
-    assert marks, f"nothing in the JIT cache volume {directory}: {list(directory.rglob('*'))}"
+    assert jit_cache_claim(), f"no {HOLD_MARK} in the JIT cache volume"
     sts = kube.get("statefulset", f"{NAME}-unified", "-n", ns)
     generation = sts["metadata"]["generation"]
     assert startup_threshold(sts) == formula["seconds"] // 10
@@ -244,7 +280,7 @@ def test_a_persistent_jit_cache_makes_later_starts_faster_and_the_learned_budget
     )
     assert third[-1]["seconds"] < learned, third
     print(
-        f"\njit cache on the real node: starts {[s['seconds'] for s in third]} s "
+        f"\njit cache on real pods: starts {[s['seconds'] for s in third]} s "
         f"(cold hold {HOLD_COLD_S} s, warm {HOLD_WARM_S} s); phases cold {cold_phases}, warm {warm_phases}; "
         f"budget {formula['seconds']} s (formula) -> "
         f"{learned} s (observed), startupProbe failureThreshold {formula['seconds'] // 10} -> {learned // 10}; "

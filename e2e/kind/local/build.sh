@@ -7,8 +7,9 @@
 #                      base-image recipe (its files, from kind's own module) on a Debian root filesystem
 #                      made by debootstrap, with the local cluster's containerd, runc, CNI plugins,
 #                      kubelet, kubeadm and kubectl, and preloaded with the images kubeadm runs (the
-#                      control plane, etcd, CoreDNS, kube-proxy, pause) and the pod network's (podnet),
-#                      each built here from the same pinned modules
+#                      control plane, etcd, CoreDNS, kube-proxy, pause), the pod network's (podnet) and
+#                      the default StorageClass's (Rancher's local-path provisioner, storage.yaml), each
+#                      built here from pinned modules
 #
 # The binaries come from e2e/cluster/build.sh (make tools). A second run with nothing changed is a
 # no-op: the node image is labelled with a hash of everything that goes into it.
@@ -75,6 +76,13 @@ if [[ "$("$bin/crictl" --version 2>/dev/null | awk '{print $3}')" != "$CRICTL_VE
     "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL_VERSION"
 fi
 
+# The default StorageClass's provisioner (storage.yaml), as kind's own node images ship it.
+if [[ "$("$bin/local-path-provisioner" --version 2>/dev/null | awk '{print $3}')" != "$LOCAL_PATH_VERSION" ]]; then
+  log "local-path-provisioner $LOCAL_PATH_VERSION"
+  GOBIN="$bin" nice -n 10 go install -trimpath -ldflags "-s -w -X main.VERSION=$LOCAL_PATH_VERSION" \
+    "github.com/rancher/local-path-provisioner@$LOCAL_PATH_VERSION"
+fi
+
 # kind's base-image files (entrypoint, systemd units, containerd config) from its module.
 kind_src="$(go env GOMODCACHE)/sigs.k8s.io/kind@$KIND_VERSION"
 [[ -d "$kind_src/images/base/files" ]] || (cd "$state" && go mod download "sigs.k8s.io/kind@$KIND_VERSION")
@@ -86,7 +94,7 @@ kind_src="$(go env GOMODCACHE)/sigs.k8s.io/kind@$KIND_VERSION"
 # What goes into the node image, hashed by content: a changed input gives a new image.
 inputs_hash="$(
   cat "$repo/e2e/cluster/versions.env" "$here/versions.env" "$here/build.sh" "$here/podnet" "$here/podnet.yaml" \
-    "$here/runc-wrapper" "$here/node.Dockerfile" "$bin"/* \
+    "$here/runc-wrapper" "$here/node.Dockerfile" "$here/storage.yaml" "$bin"/* \
     "$cbin"/{kubelet,kube-apiserver,kube-controller-manager,kube-scheduler,kube-proxy,kubectl,etcd} \
     "$cbin"/{containerd,containerd-shim-runc-v2,ctr,runc,coredns,pause} "$cbin"/cni/* "$cbin/lws/lws-controller" |
     sha1sum | cut -c1-16
@@ -147,7 +155,7 @@ on_rootfs() {
   printf 'FROM %s\n%s' "$rootfs_ref" "$copies" >"$ctx/image/Dockerfile"
   build -t "$ref" "$ctx/image"
 }
-log "images: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, etcd, coredns, pause, podnet, fakegpu, lws"
+log "images: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, etcd, coredns, pause, podnet, fakegpu, lws, local-path"
 for component in kube-apiserver kube-controller-manager kube-scheduler etcd; do
   single "$(ref_of "$component")" "$cbin/$component" "/usr/local/bin/$component"
 done
@@ -159,9 +167,12 @@ docker tag "$sandbox" "$(ref_of pause)"
 single "$FAKEGPU_IMAGE" "$bin/fakegpu" /fakegpu
 # LeaderWorkerSet's manifests run /manager.
 single "$LWS_IMAGE" "$cbin/lws/lws-controller" /manager
+single "$LOCAL_PATH_IMAGE" "$bin/local-path-provisioner" /usr/local/bin/local-path-provisioner
+# The provisioner's helper pods run /bin/sh scripts (mkdir, rm): the Debian root filesystem has them.
+docker tag "$rootfs_ref" "$LOCAL_PATH_HELPER_IMAGE"
 on_rootfs "$(ref_of kube-proxy)" "$cbin/kube-proxy"
 on_rootfs "$PODNET_IMAGE" "$here/podnet" "$cbin/kubectl"
-images=("${wanted[@]}" "$sandbox" "$PODNET_IMAGE" "$FAKEGPU_IMAGE" "$LWS_IMAGE")
+images=("${wanted[@]}" "$sandbox" "$PODNET_IMAGE" "$FAKEGPU_IMAGE" "$LWS_IMAGE" "$LOCAL_PATH_IMAGE" "$LOCAL_PATH_HELPER_IMAGE")
 for i in "${!images[@]}"; do
   docker save -o "$ctx/images/$i.tar" "${images[$i]}"
 done
@@ -174,6 +185,8 @@ cp "$cbin"/{containerd,containerd-shim-runc-v2,ctr,runc} "$bin/crictl" "$here/ru
 cp "$cbin"/cni/* "$ctx/cni/"
 cp "$cbin/kubelet" "$cbin/kubectl" "$bin/kubeadm" "$ctx/bin/"
 sed "s|image: IMAGE|image: $PODNET_IMAGE|" "$here/podnet.yaml" >"$ctx/manifests/default-cni.yaml"
+sed -e "s|PROVISIONER_IMAGE|$LOCAL_PATH_IMAGE|" -e "s|HELPER_IMAGE|$LOCAL_PATH_HELPER_IMAGE|" "$here/storage.yaml" \
+  >"$ctx/manifests/default-storage.yaml"
 printf '%s\n' "$KUBE_VERSION" >"$ctx/version"
 cp "$here/node.Dockerfile" "$ctx/Dockerfile"
 log "node image stage from $rootfs_ref"

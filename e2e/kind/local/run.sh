@@ -129,7 +129,17 @@ log "the GPU example's pod was scheduled onto $gpu_pod_node"
 kubectl delete namespace "$gpu_check_ns" --wait=false >/dev/null
 phase "fake GPU nodes"
 
-# 6. LeaderWorkerSet, for multi-node replicas (nodesPerReplica > 1): upstream's manifests from the module
+# 6. The default StorageClass (`standard`, which kind applies from the node image's default-storage.yaml,
+#    build.sh's storage.yaml): its provisioner running, so that claims of the class bind.
+kubectl -n local-path-storage rollout status deployment/local-path-provisioner --timeout=180s
+default_class="$(kubectl get storageclass \
+  -o jsonpath='{range .items[?(@.metadata.annotations.storageclass\.kubernetes\.io/is-default-class=="true")]}{.metadata.name} ({.provisioner}){end}')"
+[[ "$default_class" == "standard (rancher.io/local-path)" ]] ||
+  die "the default StorageClass is '${default_class:-none}', not standard (rancher.io/local-path); kubectl get storageclass"
+log "default StorageClass $default_class"
+phase "default StorageClass"
+
+# 7. LeaderWorkerSet, for multi-node replicas (nodesPerReplica > 1): upstream's manifests from the module
 #    e2e/cluster/lws pins, with the controller image built into the node image (lws_manifests.py).
 read -r lws_dir lws_version < <(cd "$repo/e2e/cluster/lws" && go list -m -f '{{.Dir}} {{.Version}}' sigs.k8s.io/lws)
 kubectl kustomize "$lws_dir/config/default" | "$repo/.venv/bin/python" "$here/lws_manifests.py" "$LWS_IMAGE" |
