@@ -1,6 +1,6 @@
 """The pieces of `make e2e-kind` (e2e/kind/local/) that run without a Docker engine: the runc wrapper
-that lets privileged containers start where the machine withholds a capability, and the scripts'
-argument handling. The whole path (engine, node image, kind cluster, up.sh and its suite) is
+that lets privileged containers start where the machine withholds a capability, the scripts'
+argument handling, and the manifests the node image and run.sh apply (valid for the pinned Kubernetes). The whole path (engine, node image, kind cluster, up.sh and its suite) is
 `make e2e-kind`, measured in docs/BENCHMARKS.md; it is not part of `make test`."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging_helpers import REPO
+import yaml
+from packaging_helpers import REPO, SCHEMA_LOCATION, kube_version, load_docs, write_builtin_schemas
 
 LOCAL = REPO / "e2e" / "kind" / "local"
 ALL_CAPS = [
@@ -187,3 +188,61 @@ def test_lws_manifests_without_the_controller_stop_with_the_reason() -> None:
         timeout=60,
     )
     assert proc.returncode != 0 and "no Deployment lws-controller-manager" in proc.stderr
+
+
+def node_manifests() -> list[dict]:
+    """What a kind cluster on the local node image applies of ours, as build.sh and run.sh write it: the
+    pod network and the default StorageClass (kind applies them from /kind/manifests), the fake GPU
+    plugin, and the storage provisioner's helper pod (a Pod inside its ConfigMap)."""
+    docs = []
+    for name in ("podnet.yaml", "fakegpu.yaml"):
+        text = (LOCAL / name).read_text().replace("image: IMAGE", f"image: sovereign.local/kind/{name}:local")
+        docs += load_docs(text)
+    storage = (LOCAL / "storage.yaml").read_text()
+    storage = storage.replace("PROVISIONER_IMAGE", "sovereign.local/kind/local-path-provisioner:local")
+    docs += load_docs(storage.replace("HELPER_IMAGE", "sovereign.local/kind/local-path-helper:local"))
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "local-path-config"]
+    return [*docs, yaml.safe_load(config["data"]["helperPod.yaml"])]
+
+
+def test_the_node_images_manifests_are_valid_for_its_kubernetes(
+    kubeconform: str, swagger: dict, tmp_path: Path
+) -> None:
+    docs = node_manifests()
+    assert not [d for d in docs if "IMAGE" in json.dumps(d)], "a placeholder build.sh replaces is left"
+    kinds = {(d["apiVersion"], d["kind"]) for d in docs}
+    assert write_builtin_schemas(swagger, kinds, tmp_path) == kinds
+    manifests = tmp_path / "manifests.yaml"
+    manifests.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    cmd = [kubeconform, "-strict", "-summary", "-kubernetes-version", kube_version().lstrip("v")]
+    result = subprocess.run(
+        [*cmd, "-schema-location", str(tmp_path / SCHEMA_LOCATION), str(manifests)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and f"Valid: {len(docs)}" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_default_storage_class_is_the_one_its_provisioner_serves() -> None:
+    """kind's `standard` class, the default, bound where the pod lands, on the nodes' /var."""
+    docs = node_manifests()
+    (storage_class,) = [d for d in docs if d["kind"] == "StorageClass"]
+    assert storage_class["metadata"]["name"] == "standard"
+    assert storage_class["metadata"]["annotations"] == {"storageclass.kubernetes.io/is-default-class": "true"}
+    assert (storage_class["provisioner"], storage_class["volumeBindingMode"]) == (
+        "rancher.io/local-path",
+        "WaitForFirstConsumer",
+    )
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    paths = json.loads(config["data"]["config.json"])["nodePathMap"]
+    assert paths == [{"node": "DEFAULT_PATH_FOR_NON_LISTED_NODES", "paths": ["/var/local-path-provisioner"]}]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (account,) = [
+        d
+        for d in docs
+        if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == pod["serviceAccountName"]
+    ]
+    # The provisioner gives its helper pods the account the flag names: the same one.
+    assert f"--service-account-name={account['metadata']['name']}" in pod["containers"][0]["command"]
