@@ -1,7 +1,8 @@
 """The pieces of `make e2e-kind` (e2e/kind/local/) that run without a Docker engine: the runc wrapper
 that lets privileged containers start where the machine withholds a capability, the scripts'
-argument handling, and the manifests the node image and run.sh apply (valid for the pinned Kubernetes). The whole path (engine, node image, kind cluster, up.sh and its suite) is
-`make e2e-kind`, measured in docs/BENCHMARKS.md; it is not part of `make test`."""
+argument handling, and the manifests the node image and run.sh apply (valid for the pinned
+Kubernetes). The whole path (engine, node image, kind cluster, up.sh and its suite) is `make e2e-kind`,
+measured in docs/BENCHMARKS.md; it is not part of `make test`."""
 
 from __future__ import annotations
 
