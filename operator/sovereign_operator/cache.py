@@ -82,7 +82,8 @@ CHILD_KINDS: tuple[WatchedKind, ...] = (
     WatchedKind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
     WatchedKind(LWS_GROUP, LWS_VERSION, LWS_PLURAL, LWS_KIND, whole=True),
     WatchedKind("batch", "v1", "jobs", "Job", whole=True, shared=True),
-    WatchedKind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", shared=True),
+    # Whole: a claim that is not Bound holds its download back, and status says why.
+    WatchedKind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", whole=True, shared=True),
 )
 DEPLOYMENT_KIND = WatchedKind(GROUP, VERSION, PLURAL, KIND, whole=True)
 _BY_KIND = {k.kind: k for k in CHILD_KINDS}

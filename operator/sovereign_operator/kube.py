@@ -20,7 +20,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.batch_v1 import Job
-from lightkube.resources.core_v1 import Node, PersistentVolumeClaim, Pod, Service
+from lightkube.resources.core_v1 import Event, Node, PersistentVolumeClaim, Pod, Service
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import CascadeType, PatchType
@@ -217,9 +217,12 @@ class Kube:
         self._write_fence()
         await self._delete_gone_ok(Job, name, namespace)
 
-    async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView:
+    async def observe_job(
+        self, namespace: str, name: str, log_container: str | None, claim: str | None = None
+    ) -> JobView:
         """A Job, its pods, and (with `log_container`) the tail of its running pod's log. An
-        unreadable log is no error: progress figures just wait for the next read."""
+        unreadable log is no error: progress figures just wait for the next read. With `claim`
+        (the download's cache claim), that claim, and its Warning Events while it is not Bound."""
         job: dict[str, Any] | None
         pods: list[dict[str, Any]]
         cached = self._cached
@@ -251,7 +254,39 @@ class Kube:
                     lines.append(line)
             except Exception:  # no kubelet behind the pod (a fake node), a restart, a network blip
                 lines = []
-        return JobView(job=job, pods=pods, log_lines=lines)
+        claim_obj, claim_events = (None, []) if claim is None else await self._claim(namespace, claim)
+        return JobView(job=job, pods=pods, log_lines=lines, claim=claim_obj, claim_events=claim_events)
+
+    async def _claim(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """A cache claim and, only while it is not Bound, its Warning Events (the PV controller's
+        and the provisioner's reasons: nothing else says why a claim stays Pending). Events are
+        advice: a failed read of them is logged and the claim returned without."""
+        cached = self._cached
+        claim: dict[str, Any] | None
+        if cached is not None:
+            claim = cached.shared_object(namespace, "PersistentVolumeClaim", name)
+        else:
+            try:
+                claim = _as_dict(await self.client.get(PersistentVolumeClaim, name, namespace=namespace))
+            except ApiError as error:
+                if api_error_code(error) != 404:
+                    raise
+                claim = None
+        if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
+            return claim, []
+        selector = {
+            "involvedObject.kind": "PersistentVolumeClaim",
+            "involvedObject.name": name,
+            "type": "Warning",
+        }
+        try:
+            events = [
+                _as_dict(e) async for e in self.client.list(Event, namespace=namespace, fields=selector)
+            ]
+        except Exception as error:  # advice only: never fail the round for it
+            log.warning("reading the Events of claim %s/%s failed: %s", namespace, name, error)
+            events = []
+        return claim, events
 
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]

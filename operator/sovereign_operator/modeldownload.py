@@ -2,7 +2,8 @@
 
 Pure: the inputs are the previous `status.model`, the Job being watched (the resolve Job until the
 commit is known, then the download Job) with its pods, and the newest progress line of the running
-download pod's log. The download command reports through channels that need no write access: its
+download pod's log (and, while the download's cache claim is not bound, the claim with its Warning
+Events: a claim the provisioner refuses leaves its pod waiting with no reason of its own). The download command reports through channels that need no write access: its
 termination message (the kubelet copies it into the pod's status: the commit and sizes, or the
 failure reason with the hub's message) and JSON progress lines on stdout.
 """
@@ -38,6 +39,14 @@ class JobView:
     job: Mapping[str, Any] | None = None
     pods: list[Mapping[str, Any]] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
+    # The download Job's cache claim, and its Warning Events while it is not Bound (read only then).
+    claim: Mapping[str, Any] | None = None
+    claim_events: list[Mapping[str, Any]] = field(default_factory=list)
+
+
+CLAIM_PENDING = "CacheClaimPending"
+# What a person changes when the claim's StorageClass cannot give it what it asks for.
+CACHE_FIELDS = "spec.model.source.huggingFace.cache (storageClassName, accessMode)"
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,42 @@ def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:
     return None
 
 
+def _event_time(event: Mapping[str, Any]) -> str:
+    return str(
+        event.get("lastTimestamp")
+        or event.get("eventTime")
+        or (event.get("metadata") or {}).get("creationTimestamp")
+        or ""
+    )
+
+
+def _claim_pending(
+    claim: Mapping[str, Any] | None, events: Iterable[Mapping[str, Any]], pod: Mapping[str, Any] | None
+) -> str | None:
+    """Why the cache claim is not bound, while it holds the download pod back: the newest Warning
+    Event on the claim (the PV controller's or the provisioner's own words), or None when the claim
+    is bound, the pod already has a node, or nothing has complained yet (provisioning takes time)."""
+    if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
+        return None
+    if ((pod or {}).get("spec") or {}).get("nodeName"):
+        return None
+    warnings = [e for e in events if e.get("type") == "Warning"]
+    if not warnings:
+        return None
+    newest = max(warnings, key=_event_time)
+    spec = claim.get("spec") or {}
+    modes = ", ".join(spec.get("accessModes") or []) or "no access mode"
+    klass = spec.get("storageClassName")
+    where = f"StorageClass {klass}" if klass else "the default StorageClass"
+    name = (claim.get("metadata") or {}).get("name")
+    said = str(newest.get("message") or "").strip()
+    return (
+        f"the cache claim {name} ({modes}, {where}) is not bound, so the download pod cannot start:"
+        f" {newest.get('reason') or 'Warning'}: {said}. Check {CACHE_FIELDS} against the classes"
+        " the cluster offers (kubectl get storageclass)"
+    )
+
+
 def _job_condition(job: Mapping[str, Any] | None, kind: str) -> bool:
     condition = find_condition(((job or {}).get("status") or {}).get("conditions"), kind)
     return bool(condition and condition.get("status") == "True")
@@ -158,6 +203,8 @@ def progress_line(status: ModelStatus) -> str:
     """The Download column: short enough for `kubectl get llmd`."""
     if status.phase in ("Retrying", "Failed"):
         return f"{status.phase}: {status.reason or 'DownloadFailed'}"
+    if status.reason in (CLAIM_PENDING, "Unschedulable"):
+        return f"{status.phase}: {status.reason}"  # waiting for a person, not for bytes
     if status.phase != "Downloading" or not status.bytes_total:
         return status.phase
     done = status.bytes_done or 0
@@ -273,6 +320,8 @@ def assess(
         if not running:
             phase = "Retrying"
             numbers.update(rate_bytes_per_second=None, eta_seconds=None)
+    elif (why := _claim_pending(view.claim, view.claim_events, pod)) is not None:
+        reason, message = CLAIM_PENDING, why
     elif (why := _unschedulable(pod)) is not None:
         reason, message = "Unschedulable", f"the download pod cannot be scheduled: {why}"
     status = ModelStatus(

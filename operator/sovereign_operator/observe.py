@@ -20,6 +20,7 @@ from sovereign_operator.api.status import (
     PoolStatus,
     StartupObservations,
 )
+from sovereign_operator.modeldownload import CLAIM_PENDING
 from sovereign_operator.podstatus import (
     CONTAINER_CONFIG_REASONS,
     CRASH_LOOP,
@@ -297,6 +298,8 @@ def compute_status(
     # Written by the output-health monitor from the pods' self-tests.
     output_failing = next((c for c in conditions if c.type == OUTPUT_HEALTHY and c.status == "False"), None)
     model_failing = model is not None and model.phase in ("Retrying", "Failed")
+    # A cache claim its StorageClass refuses waits for a person as a failed download does.
+    model_stuck = model is not None and model.reason == CLAIM_PENDING
     if problem is not None:
         degraded = cond(DEGRADED, "True", problem.reason, problem.message)
     elif model is not None and model_failing:
@@ -306,6 +309,13 @@ def compute_status(
             model.reason or "DownloadFailed",
             f"downloading {model.repo}@{model.revision} failed: {model.message}"
             + (" (retried with backoff)" if model.phase == "Retrying" else ""),
+        )
+    elif model is not None and model_stuck:
+        degraded = cond(
+            DEGRADED,
+            "True",
+            CLAIM_PENDING,
+            f"downloading {model.repo}@{model.revision} waits: {model.message}",
         )
     elif hard:
         degraded = cond(DEGRADED, "True", hard[0].reason, _problem_message(hard))

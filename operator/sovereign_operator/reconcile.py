@@ -43,7 +43,9 @@ class KubeApi(Protocol):
     async def release_shared(
         self, namespace: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]: ...
-    async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView: ...
+    async def observe_job(
+        self, namespace: str, name: str, log_container: str | None, claim: str | None = None
+    ) -> JobView: ...
     async def delete_job(self, namespace: str, name: str) -> None: ...
     def applied_digest(self, namespace: str, kind: str, name: str) -> str | None: ...
     async def prune(
@@ -492,8 +494,10 @@ class Reconciler:
         # Rendered from the spec with the operator's defaults, as render() does: same Job names.
         defaulted = with_operator_defaults(spec, self.defaults)
         objects = cache_objects(ref.name, ref.uid, ref.namespace, defaulted, endpoint, known)
-        container = CONTAINER if objects.download_job is not None else None
-        view = await self.kube.observe_job(ref.namespace, objects.watched_job, container)
+        downloading = objects.download_job is not None
+        container = CONTAINER if downloading else None
+        claim = objects.cache_name if downloading else None
+        view = await self.kube.observe_job(ref.namespace, objects.watched_job, container, claim)
         assessment = assess(source, endpoint, previous, known, objects, view)
         if assessment.status.reason == "NoResult":
             # Its answer is lost with its pod: delete it so the next apply runs it again.

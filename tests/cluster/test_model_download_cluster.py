@@ -303,6 +303,79 @@ def test_a_failing_download_says_why_in_status(
     )
 
 
+def test_a_cache_claim_of_a_missing_class_degrades_until_it_binds(
+    kube: Kubectl, operator: OperatorHandle, namespace: str
+) -> None:
+    """A claim the cluster cannot provision leaves the download pod Pending with nothing of its own
+    to say; the operator quotes the claim's Warning Event (here the PV controller's) and clears it
+    once the claim binds."""
+    missing = f"sovereign-test-no-class-{secrets.token_hex(3)}"
+    kube.apply(llmd("unbound", hf_spec(missing)), namespace)
+    (resolve,) = wait_for("the resolve Job", lambda: jobs(kube, namespace, "model-resolve"))
+    finish(
+        kube,
+        namespace,
+        job_pod(kube, namespace, resolve["metadata"]["name"]),
+        {"event": "resolved", "commit": COMMIT, "bytesTotal": BYTES, "files": 4},
+    )
+
+    def pending() -> dict[str, Any] | None:
+        operator.assert_alive()
+        model = model_status(kube, namespace, "unbound")
+        return model if model.get("reason") == "CacheClaimPending" else None
+
+    try:
+        model = wait_for("status.model.reason CacheClaimPending", pending, timeout=90)
+    except AssertionError as err:
+        raise AssertionError(
+            f"{err}\n{model_status(kube, namespace, 'unbound')}\n{operator.tail()}"
+        ) from None
+    said = f'storageclass.storage.k8s.io "{missing}" not found'
+    assert model["phase"] == "Downloading" and said in model["message"]
+    assert f"{model['cache']} (ReadWriteOnce, StorageClass {missing}) is not bound" in model["message"]
+    degraded = condition(get_llmd(kube, namespace, "unbound"), "Degraded")
+    assert degraded is not None and degraded["status"] == "True" and degraded["reason"] == "CacheClaimPending"
+    assert "Downloading: CacheClaimPending" in kube.run("get", "llmd", "unbound", "-n", namespace).stdout
+
+    # The class and a volume of it appear: the claim binds, the reason goes (the old Event stays).
+    kube.apply(
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {"name": missing},
+            "provisioner": "kubernetes.io/no-provisioner",
+        }
+    )
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": missing},
+            "spec": {
+                "capacity": {"storage": "10Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": missing,
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": f"/tmp/{missing}"},
+            },
+        }
+    )
+    try:
+
+        def cleared() -> bool:
+            operator.assert_alive()
+            obj = get_llmd(kube, namespace, "unbound")
+            degraded = condition(obj, "Degraded") or {}
+            return degraded.get("status") == "False" and not model_status(kube, namespace, "unbound").get(
+                "reason"
+            )
+
+        wait_for("the claim bound and Degraded cleared", cleared, timeout=90)
+    finally:
+        kube.run("delete", "pv", missing, "--wait=false", check=False)
+        kube.run("delete", "storageclass", missing, "--wait=false", check=False)
+
+
 def test_a_deleted_namespace_ends_the_download_rounds(
     kube: Kubectl, operator: OperatorHandle, namespace: str, storage_class: str
 ) -> None:

@@ -53,6 +53,7 @@ MUST: list[Row] = [
     # huggingFace sources: resolve and download Jobs, the cache claims they fill.
     *((verb, what, "watched") for what in ("jobs.batch", "persistentvolumeclaims") for verb in CHILD_VERBS),
     ("create", "events", "watched"),
+    ("list", "events", "watched"),  # why a download's cache claim stays Pending
     *((verb, "leases.coordination.k8s.io", "release") for verb in ("get", "create", "update")),
     ("list", "nodes", "cluster"),
     *((verb, "namespaces", "cluster") for verb in ("get", "list", "watch")),
@@ -99,6 +100,7 @@ MUST_NOT: list[Row] = [
     *((verb, "persistentvolumes", "cluster") for verb in ("create", "delete")),
     ("create", "cronjobs.batch", "watched"),
     ("create", "events.events.k8s.io", "watched"),
+    *((verb, "events", "watched") for verb in ("watch", "patch", "delete")),
     ("update", "leases.coordination.k8s.io", "other"),  # its Lease lives in its own namespace only
 ]
 # Bound to the watched namespaces: nothing in a namespace it does not watch.

@@ -43,6 +43,8 @@ class FakeKube:
         # Jobs as the apiserver would report them: name -> JobView (a missing name reads as absent).
         self.jobs: dict[str, JobView] = {}
         self.deleted_jobs: list[str] = []
+        # The claim each Job was observed with (the download Job's cache claim; None for others).
+        self.job_claims: dict[str, str | None] = {}
         self.lws_installed = True  # the LeaderWorkerSet CRD (multi-node pools)
 
     async def apply(self, child: dict[str, Any]) -> None:
@@ -77,7 +79,10 @@ class FakeKube:
         self.released += released
         return released
 
-    async def observe_job(self, namespace: str, name: str, log_container: str | None) -> JobView:
+    async def observe_job(
+        self, namespace: str, name: str, log_container: str | None, claim: str | None = None
+    ) -> JobView:
+        self.job_claims[name] = claim
         if name in self.jobs:
             return self.jobs[name]
         # An applied Job exists (no pods yet); one never applied, or deleted, does not.

@@ -46,6 +46,17 @@ STATEFULSET = {
 }
 
 
+CLAIM_EVENT = {
+    "apiVersion": "v1",
+    "kind": "Event",
+    "metadata": {"name": "c-pending.1", "namespace": "ns"},
+    "involvedObject": {"kind": "PersistentVolumeClaim", "name": "c-pending", "namespace": "ns"},
+    "type": "Warning",
+    "reason": "ProvisioningFailed",
+    "message": 'storageclass.storage.k8s.io "fast" not found',
+}
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     # Exactly "application/json", as the apiserver sends it (lightkube matches it literally).
     return web.Response(
@@ -110,6 +121,10 @@ async def _with_fake_apiserver(
             return _json(
                 _list("Node", "v1", [n for n in nodes if not wanted or n["metadata"]["name"] == wanted])
             )
+        if path == "/api/v1/namespaces/ns/events":
+            if "c-broken" in request.query.get("fieldSelector", ""):
+                return _json({}, status=500)
+            return _json(_list("Event", "v1", [CLAIM_EVENT]))
         if path == "/api/v1/namespaces/ns/pods" and pods is not None:
             return _json(_list("Pod", "v1", pods))
         if path == "/apis/apps/v1/namespaces/ns/statefulsets":
@@ -325,5 +340,42 @@ def test_a_synced_cache_answers_the_model_downloads_reads() -> None:
         await kube.delete_job("ns", "dl")
         assert [r["method"] for r in requests] == ["DELETE"]
         assert (await kube.observe_job("ns", "dl", None)).job is None
+
+    asyncio.run(_with_fake_apiserver(scenario, cache=cache))
+
+
+def test_a_download_claim_is_read_from_the_cache_and_its_events_only_while_it_is_not_bound() -> None:
+    cache = _synced_cache()
+    labels = {
+        "app.kubernetes.io/managed-by": "sovereign-operator",
+        "app.kubernetes.io/component": "model-cache",
+    }
+    for name, phase in (("c-bound", "Bound"), ("c-pending", "Pending"), ("c-broken", "Pending")):
+        cache.put(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": name, "namespace": "ns", "labels": labels, "resourceVersion": "5"},
+                "spec": {"accessModes": ["ReadWriteMany"]},
+                "status": {"phase": phase},
+            }
+        )
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        bound = await kube.observe_job("ns", "dl", "download", claim="c-bound")
+        assert bound.claim is not None and bound.claim["status"]["phase"] == "Bound"  # whole, from the cache
+        assert bound.claim_events == [] and requests == []  # a bound claim costs no read
+        pending = await kube.observe_job("ns", "dl", "download", claim="c-pending")
+        assert [e["reason"] for e in pending.claim_events] == ["ProvisioningFailed"]
+        (read,) = requests
+        assert read["path"] == "/api/v1/namespaces/ns/events"
+        assert set(read["query"]["fieldSelector"].split(",")) == {
+            "involvedObject.kind=PersistentVolumeClaim",
+            "involvedObject.name=c-pending",
+            "type=Warning",
+        }
+        # Events are advice: an apiserver that refuses the read costs the reason, not the round.
+        broken = await kube.observe_job("ns", "dl", "download", claim="c-broken")
+        assert broken.claim is not None and broken.claim_events == []
 
     asyncio.run(_with_fake_apiserver(scenario, cache=cache))

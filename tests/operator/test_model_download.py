@@ -296,6 +296,81 @@ def test_an_unschedulable_download_pod_is_named() -> None:
     )
 
 
+UNSCHEDULED = {
+    "metadata": {"name": "p"},
+    "spec": {},
+    "status": {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
+            }
+        ],
+    },
+}
+
+
+def _claim(phase: str, class_name: str | None = "fast") -> dict[str, Any]:
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"]}
+    if class_name is not None:
+        spec["storageClassName"] = class_name
+    return {"metadata": {"name": "cache-x"}, "spec": spec, "status": {"phase": phase}}
+
+
+def _event(type_: str, reason: str, message: str, at: str) -> dict[str, Any]:
+    return {"type": type_, "reason": reason, "message": message, "lastTimestamp": at}
+
+
+def test_a_cache_claim_its_class_refuses_says_why_in_the_provisioners_words() -> None:
+    facts = ModelFacts(resolved=Resolved(COMMIT, GIB, 1))
+    events = [
+        _event("Warning", "ProvisioningFailed", "an older attempt", "2026-01-01T00:00:00Z"),
+        _event(
+            "Warning",
+            "ProvisioningFailed",
+            'failed to provision volume with StorageClass "fast": Only support ReadWriteOnce access mode',
+            "2026-01-01T00:01:00Z",
+        ),
+        _event(
+            "Normal", "ExternalProvisioning", "Waiting for a volume to be created", "2026-01-01T00:02:00Z"
+        ),
+    ]
+    view = JobView(job={"status": {}}, pods=[UNSCHEDULED], claim=_claim("Pending"), claim_events=events)
+    status = _assess(facts, view).status
+    assert status.phase == "Downloading" and status.reason == "CacheClaimPending"
+    message = status.message or ""
+    assert "cache-x (ReadWriteMany, StorageClass fast) is not bound" in message
+    # The newest Warning, in the provisioner's own words; Normal events are progress, not reasons.
+    assert "ProvisioningFailed: failed to provision volume" in message and "older" not in message
+    assert "huggingFace.cache (storageClassName, accessMode)" in message
+    assert status.progress == "Downloading: CacheClaimPending"
+
+    # No class named: the cluster's default class is the one that refused.
+    unnamed = JobView(
+        job={"status": {}}, pods=[UNSCHEDULED], claim=_claim("Pending", None), claim_events=events[:1]
+    )
+    assert "(ReadWriteMany, the default StorageClass)" in (_assess(facts, unnamed).status.message or "")
+
+
+def test_a_claim_that_binds_or_has_not_complained_is_no_reason() -> None:
+    facts = ModelFacts(resolved=Resolved(COMMIT, GIB, 1))
+    refused = [_event("Warning", "ProvisioningFailed", "no", "2026-01-01T00:00:00Z")]
+    # Bound (an old Warning may outlive the failure it was about): the pod's own state counts.
+    bound = JobView(job={"status": {}}, pods=[UNSCHEDULED], claim=_claim("Bound"), claim_events=refused)
+    assert _assess(facts, bound).status.reason == "Unschedulable"
+    # Pending but nothing has complained (a provisioner at work): the scheduler's message.
+    quiet = JobView(job={"status": {}}, pods=[UNSCHEDULED], claim=_claim("Pending"), claim_events=[])
+    status = _assess(facts, quiet).status
+    assert status.reason == "Unschedulable" and status.progress == "Downloading: Unschedulable"
+    # The pod already has a node: the claim is being provisioned for it, nothing to report.
+    placed = {**UNSCHEDULED, "spec": {"nodeName": "n1"}, "status": {"phase": "Pending"}}
+    waiting = JobView(job={"status": {}}, pods=[placed], claim=_claim("Pending"), claim_events=refused)
+    assert _assess(facts, waiting).status.reason is None
+
+
 def test_status_keeps_the_resolution_only_for_the_same_source() -> None:
     source = _spec().model.source.hugging_face
     assert source is not None
@@ -409,6 +484,44 @@ def test_a_refused_token_degrades_the_deployment_with_the_hubs_message() -> None
         assert degraded["status"] == "True" and degraded["reason"] == "Unauthorized"
         assert "Invalid credentials in Authorization header" in degraded["message"]
         assert kube.body["status"]["model"]["progress"] == "Retrying: Unauthorized"
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_cache_claim_degrades_the_deployment_until_it_binds() -> None:
+    kube = FakeKube(body_for(HF_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        resolve_job = _name(kube, "Job")
+        assert kube.job_claims[resolve_job] is None  # the resolve Job fills no claim
+        kube.jobs[resolve_job] = _resolved_view()
+        await reconciler.reconcile(kube.body)
+        claim = _name(kube, "PersistentVolumeClaim")
+        download = next(n for k, n in kube.shared if k == "Job" and n != resolve_job)
+
+        said = 'storageclass.storage.k8s.io "fast" not found'
+        kube.jobs[download] = JobView(
+            job={"status": {}},
+            pods=[UNSCHEDULED],
+            claim={**_claim("Pending"), "metadata": {"name": claim}},
+            claim_events=[_event("Warning", "ProvisioningFailed", said, "2026-01-01T00:00:00Z")],
+        )
+        await reconciler.reconcile(kube.body)
+        assert kube.job_claims[download] == claim  # the download is observed with its claim
+        degraded = _condition(kube.body, "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "CacheClaimPending"
+        assert claim in degraded["message"] and said in degraded["message"]
+        assert _condition(kube.body, "ModelDownloaded")["reason"] == "CacheClaimPending"
+        assert kube.body["status"]["model"]["progress"] == "Downloading: CacheClaimPending"
+
+        kube.jobs[download] = JobView(
+            job={"status": {}}, claim={**_claim("Bound"), "metadata": {"name": claim}}
+        )
+        await reconciler.reconcile(kube.body)
+        assert _condition(kube.body, "Degraded")["status"] == "False"
+        assert kube.body["status"]["model"].get("reason") is None
 
     asyncio.run(scenario())
 

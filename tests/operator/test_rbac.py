@@ -106,11 +106,12 @@ def test_operator_can_run_its_own_loop() -> None:
 
 
 def test_nothing_beyond_what_the_operator_does() -> None:
-    # Status is merge-patched, Events created, nodes listed once per spec change: no update, no
-    # watch of nodes, no writes of events; never Secrets, exec or anything cluster-scoped it writes.
+    # Status is merge-patched, Events created (and a Pending cache claim's listed), nodes listed once
+    # per spec change: no update, no watch of nodes or events, no writes of events beyond create;
+    # never Secrets, exec or anything cluster-scoped it writes.
     assert _allowed("sovereign.ai", "llmdeployments/status") == {"patch"}
     assert _allowed("", "nodes") == {"list"}
-    assert _allowed("", "events") == {"create"}
+    assert _allowed("", "events") == {"create", "list"}
     assert not _allowed("events.k8s.io", "events")
     for group, resource in [
         ("", "secrets"),
