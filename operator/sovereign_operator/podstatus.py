@@ -408,6 +408,22 @@ def _container_problem(
     return None
 
 
+def _placement_advice(detail: str) -> str:
+    """What to look at for an unschedulable pod: its claims when the scheduler blames volumes
+    (advice about GPUs would send a person the wrong way), else the pool's resources."""
+    # "unbound immediate PersistentVolumeClaims", "volume node affinity conflict", "didn't find
+    # available persistent volumes to bind", "max volume count": the scheduler's volume reasons.
+    if "volume" in detail.lower():
+        return (
+            "Check the pod's claims (kubectl get pvc; kubectl describe pvc): one unbound, of a class"
+            " that cannot provision it or its access mode, or a ReadWriteOnce volume on another node."
+        )
+    return (
+        "Check that nodes offer the GPUs and RDMA devices the pool requests (kubectl describe pod),"
+        " or lower the pool's resources."
+    )
+
+
 def pod_problems(
     pods: Iterable[Mapping[str, Any]],
     lives: Mapping[str, LifeMemory] | None = None,
@@ -425,8 +441,7 @@ def pod_problems(
             problems.append(
                 PodProblem(
                     UNSCHEDULABLE,
-                    f"pod {_name(pod)} cannot be scheduled: {detail}. Check that nodes offer the GPUs and"
-                    " RDMA devices the pool requests (kubectl describe pod), or lower the pool's resources.",
+                    f"pod {_name(pod)} cannot be scheduled: {detail}. {_placement_advice(detail)}",
                     _name(pod),
                     5,
                 )

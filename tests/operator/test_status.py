@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from operator_specs import DEEPSEEK_SPEC, TINY_SPEC
 from sovereign_operator.api import LLMDeploymentSpec
 from sovereign_operator.api.status import LLMDeploymentStatus
@@ -97,6 +98,33 @@ def test_unschedulable_pod_is_degraded_with_the_scheduler_message() -> None:
     degraded = next(c for c in status.conditions if c.type == "Degraded")
     assert (degraded.status, degraded.reason) == ("True", "Unschedulable")
     assert "llm-decode-0" in degraded.message and "Insufficient rdma" in degraded.message
+    assert "GPUs and RDMA devices" in degraded.message and "claims" not in degraded.message
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "0/3 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
+        "0/3 nodes are available: 1 node(s) had volume node affinity conflict, 2 Insufficient cpu.",
+        "0/2 nodes are available: 2 node(s) didn't find available persistent volumes to bind.",
+    ],
+)
+def test_a_pod_its_volumes_keep_off_every_node_is_pointed_at_its_claims(said: str) -> None:
+    pod = {
+        "metadata": {"name": "llm-decode-0"},
+        "status": {
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": said}
+            ]
+        },
+    }
+    observed = Observed(
+        statefulsets={"prefill": _sts(1, 1), "decode": _sts(1, 0)}, router=_router(1), pods=[pod]
+    )
+    status = compute_status(2, _rendered(), observed, None, T0)
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert degraded.reason == "Unschedulable" and said.rstrip(".") in degraded.message
+    assert "kubectl describe pvc" in degraded.message and "GPUs" not in degraded.message
 
 
 def test_crash_loop_is_degraded() -> None:
