@@ -1,11 +1,12 @@
 """A huggingFace source's download as the operator sees it: facts for rendering and `status.model`.
 
 Pure: the inputs are the previous `status.model`, the Job being watched (the resolve Job until the
-commit is known, then the download Job) with its pods, and the newest progress line of the running
-download pod's log (and, while the download's cache claim is not bound, the claim with its Warning
-Events: a claim the provisioner refuses leaves its pod waiting with no reason of its own). The download command reports through channels that need no write access: its
-termination message (the kubelet copies it into the pod's status: the commit and sizes, or the
-failure reason with the hub's message) and JSON progress lines on stdout.
+commit is known, then the download Job) with its pods, the newest progress line of the running
+download pod's log, and the download's cache claim with its Warning Events while it is not bound (a
+claim the provisioner refuses leaves the pod waiting with no reason of its own). The download
+command reports through channels that need no write access: its termination message (the kubelet
+copies it into the pod's status: the commit and sizes, or the failure reason with the hub's
+message) and JSON progress lines on stdout.
 """
 
 from __future__ import annotations
