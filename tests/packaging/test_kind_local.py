@@ -247,3 +247,59 @@ def test_the_default_storage_class_is_the_one_its_provisioner_serves() -> None:
     ]
     # The provisioner gives its helper pods the account the flag names: the same one.
     assert f"--service-account-name={account['metadata']['name']}" in pod["containers"][0]["command"]
+
+
+def test_podnet_routes_other_nodes_pods_and_masquerades_what_leaves_the_pod_networks(tmp_path: Path) -> None:
+    """podnet with stand-ins for kubectl, ip and iptables: two resync rounds over three nodes."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    nat = tmp_path / "nat"  # the stand-in iptables' nat table: one rule per line, as `-S` prints them
+    nat.write_text("")
+    (stubs / "kubectl").write_text(
+        "#!/bin/sh\nprintf 'w1 10.244.1.0/24 172.19.0.3\\ncp 10.244.0.0/24 172.19.0.2\\nw2 10.244.2.0/24 172.19.0.4\\n'\n"
+    )
+    (stubs / "ip").write_text(f'#!/bin/sh\necho "ip $*" >> {calls}\n')
+    (stubs / "iptables").write_text(
+        f"""#!/bin/bash
+echo "iptables $*" >> {calls}
+shift 2  # -t nat
+op=$1; shift
+rule="$*"
+case $op in
+  -N) grep -qx -- "-N $1" {nat} && exit 1; echo "-N $1" >> {nat} ;;
+  -F) sed -i "/^-A $1 /d" {nat} ;;
+  -A) echo "-A $rule" >> {nat} ;;
+  -C) grep -qx -- "-A $rule" {nat} ;;
+esac
+"""
+    )
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {
+        "PATH": f"{stubs}:/usr/bin:/bin",
+        "NODE_NAME": "w1",
+        "CNI_CONF_DIR": str(tmp_path / "cni"),
+        "RESYNC_SECONDS": "0.5",
+    }
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(["bash", str(LOCAL / "podnet")], env=env, capture_output=True, timeout=1.8)
+
+    conf = json.loads((tmp_path / "cni" / "10-podnet.conflist").read_text())
+    assert conf["plugins"][0]["ipam"]["ranges"] == [[{"subnet": "10.244.1.0/24"}]]
+    done = calls.read_text().splitlines()
+    assert "ip route replace 10.244.0.0/24 via 172.19.0.2" in done
+    assert "ip route replace 10.244.2.0/24 via 172.19.0.4" in done
+    # Every pod network is returned from, the rest masqueraded; only this node's pods jump there.
+    assert nat.read_text().splitlines() == [
+        "-N PODNET-MASQ",
+        "-A PODNET-MASQ -d 10.244.1.0/24 -j RETURN",
+        "-A PODNET-MASQ -d 10.244.0.0/24 -j RETURN",
+        "-A PODNET-MASQ -d 10.244.2.0/24 -j RETURN",
+        "-A PODNET-MASQ -j MASQUERADE",
+        "-A POSTROUTING -s 10.244.1.0/24 -j PODNET-MASQ",
+    ]
+    # Later rounds with the same nodes only check that the jump is there.
+    writes = [c for c in done if c.startswith("iptables") and " -C " not in c]
+    assert len(writes) == 6, writes
+    assert sum(1 for c in done if c == "iptables -t nat -C POSTROUTING -s 10.244.1.0/24 -j PODNET-MASQ") >= 2
