@@ -230,12 +230,7 @@ class Kube:
             job = cached.shared_object(namespace, "Job", name)
             pods = cached.job_pods(namespace, name)
         else:
-            try:
-                job = _as_dict(await self.client.get(Job, name, namespace=namespace))
-            except ApiError as error:
-                if api_error_code(error) != 404:
-                    raise
-                job = None
+            job = await self._get_or_none(Job, name, namespace)
             pods = [
                 _as_dict(p)
                 async for p in self.client.list(Pod, namespace=namespace, labels={JOB_NAME_LABEL: name})
@@ -257,6 +252,14 @@ class Kube:
         claim_obj, claim_events = (None, []) if claim is None else await self._claim(namespace, claim)
         return JobView(job=job, pods=pods, log_lines=lines, claim=claim_obj, claim_events=claim_events)
 
+    async def _get_or_none(self, kind: Any, name: str, namespace: str) -> dict[str, Any] | None:
+        try:
+            return _as_dict(await self.client.get(kind, name, namespace=namespace))
+        except ApiError as error:
+            if api_error_code(error) != 404:
+                raise
+            return None
+
     async def _claim(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """A cache claim and, only while it is not Bound, its Warning Events (the PV controller's
         and the provisioner's reasons: nothing else says why a claim stays Pending). Events are
@@ -266,12 +269,7 @@ class Kube:
         if cached is not None:
             claim = cached.shared_object(namespace, "PersistentVolumeClaim", name)
         else:
-            try:
-                claim = _as_dict(await self.client.get(PersistentVolumeClaim, name, namespace=namespace))
-            except ApiError as error:
-                if api_error_code(error) != 404:
-                    raise
-                claim = None
+            claim = await self._get_or_none(PersistentVolumeClaim, name, namespace)
         if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
             return claim, []
         selector = {

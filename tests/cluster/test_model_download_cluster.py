@@ -65,10 +65,8 @@ def hf_spec(storage_class: str, revision: str = "main") -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def storage_class(kube: Kubectl) -> Iterator[str]:
-    """A static PersistentVolume of a class of this test's own, for the cache claim to bind to."""
-    name = f"sovereign-test-cache-{secrets.token_hex(3)}"
+def static_volume(kube: Kubectl, name: str, modes: list[str]) -> None:
+    """A 10Gi hostPath PersistentVolume of the class `name` (the local control plane has no provisioner)."""
     kube.apply(
         {
             "apiVersion": "v1",
@@ -76,13 +74,20 @@ def storage_class(kube: Kubectl) -> Iterator[str]:
             "metadata": {"name": name},
             "spec": {
                 "capacity": {"storage": "10Gi"},
-                "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
+                "accessModes": modes,
                 "storageClassName": name,
                 "persistentVolumeReclaimPolicy": "Retain",
                 "hostPath": {"path": f"/tmp/{name}"},
             },
         }
     )
+
+
+@pytest.fixture
+def storage_class(kube: Kubectl) -> Iterator[str]:
+    """A static PersistentVolume of a class of this test's own, for the cache claim to bind to."""
+    name = f"sovereign-test-cache-{secrets.token_hex(3)}"
+    static_volume(kube, name, ["ReadWriteOnce", "ReadWriteMany"])
     yield name
     kube.run("delete", "pv", name, "--wait=false", check=False)
 
@@ -346,20 +351,7 @@ def test_a_cache_claim_of_a_missing_class_degrades_until_it_binds(
             "provisioner": "kubernetes.io/no-provisioner",
         }
     )
-    kube.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": missing},
-            "spec": {
-                "capacity": {"storage": "10Gi"},
-                "accessModes": ["ReadWriteOnce"],
-                "storageClassName": missing,
-                "persistentVolumeReclaimPolicy": "Retain",
-                "hostPath": {"path": f"/tmp/{missing}"},
-            },
-        }
-    )
+    static_volume(kube, missing, ["ReadWriteOnce"])
     try:
 
         def cleared() -> bool:

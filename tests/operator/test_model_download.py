@@ -274,28 +274,6 @@ def test_a_complete_job_makes_its_cache_the_one_the_pools_read() -> None:
     assert result.status.phase == "Complete" and result.status.progress == "Complete"
 
 
-def test_an_unschedulable_download_pod_is_named() -> None:
-    facts = ModelFacts(resolved=Resolved(COMMIT, GIB, 1))
-    pod = {
-        "metadata": {"name": "p"},
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": "0/3 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
-                }
-            ],
-        },
-    }
-    status = _assess(facts, JobView(job={"status": {}}, pods=[pod])).status
-    assert status.reason == "Unschedulable" and "unbound immediate PersistentVolumeClaims" in (
-        status.message or ""
-    )
-
-
 UNSCHEDULED = {
     "metadata": {"name": "p"},
     "spec": {},
@@ -311,6 +289,14 @@ UNSCHEDULED = {
         ],
     },
 }
+
+
+def test_an_unschedulable_download_pod_is_named() -> None:
+    facts = ModelFacts(resolved=Resolved(COMMIT, GIB, 1))
+    status = _assess(facts, JobView(job={"status": {}}, pods=[UNSCHEDULED])).status
+    assert status.reason == "Unschedulable" and "unbound immediate PersistentVolumeClaims" in (
+        status.message or ""
+    )
 
 
 def _claim(phase: str, class_name: str | None = "fast") -> dict[str, Any]:
