@@ -45,13 +45,16 @@ class Need:
         return self.free >= self.total
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes the files under `path` occupy (0 when it is missing); links are not followed."""
+def tree_bytes(path: Path, enough: float = float("inf")) -> int:
+    """Bytes the files under `path` occupy (0 when it is missing); links are not followed. The walk
+    stops once `enough` is reached: the checks only compare against a threshold."""
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
             with contextlib.suppress(OSError):  # gone while walking
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
+        if total >= enough:
+            break
     return total
 
 
@@ -74,7 +77,7 @@ def go_cache_sizes() -> dict[str, int | None]:
             sizes[name] = None
             continue
         where = subprocess.run([go, "env", name], capture_output=True, text=True).stdout.strip()
-        sizes[name] = tree_bytes(Path(where)) if where else 0
+        sizes[name] = tree_bytes(Path(where), enough=EMPTY_BELOW) if where else 0
     return sizes
 
 
@@ -107,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("DISK_CHECK", "1") == "0":
         return 0
-    held = sum(tree_bytes(Path(p)) for p in args.paths)
+    held = 0
+    for path in args.paths:  # no further than the figure: beyond it, nothing more is needed
+        held += tree_bytes(Path(path), enough=args.gb * GIB - held)
     need = assess(args.gb, held, go_cache_sizes(), shutil.disk_usage(".").free)
     if need.enough:
         return 0

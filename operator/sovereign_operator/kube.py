@@ -27,7 +27,7 @@ from lightkube.types import CascadeType, PatchType
 
 from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
 from sovereign_operator.cache import ClusterCache, WatchedKind
-from sovereign_operator.modeldownload import JOB_NAME_LABEL, JobView
+from sovereign_operator.modeldownload import JOB_NAME_LABEL, JobView, claim_bound
 from sovereign_operator.observe import Observed
 from sovereign_operator.render.modelcache import SHARED_COMPONENTS
 from sovereign_operator.startupbudget import GPU_PRODUCT_LABEL
@@ -270,7 +270,7 @@ class Kube:
             claim = cached.shared_object(namespace, "PersistentVolumeClaim", name)
         else:
             claim = await self._get_or_none(PersistentVolumeClaim, name, namespace)
-        if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
+        if claim is None or claim_bound(claim):
             return claim, []
         selector = {
             "involvedObject.kind": "PersistentVolumeClaim",

@@ -131,6 +131,10 @@ def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:
     return None
 
 
+def claim_bound(claim: Mapping[str, Any] | None) -> bool:
+    return (((claim or {}).get("status") or {}).get("phase")) == "Bound"
+
+
 def _event_time(event: Mapping[str, Any]) -> str:
     return str(
         event.get("lastTimestamp")
@@ -146,7 +150,7 @@ def _claim_pending(
     """Why the cache claim is not bound, while it holds the download pod back: the newest Warning
     Event on the claim (the PV controller's or the provisioner's own words), or None when the claim
     is bound, the pod already has a node, or nothing has complained yet (provisioning takes time)."""
-    if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
+    if claim is None or claim_bound(claim):
         return None
     if ((pod or {}).get("spec") or {}).get("nodeName"):
         return None
