@@ -330,6 +330,48 @@ def test_down_leaves_nothing_behind_and_spares_other_clusters(
     )
 
 
+def test_a_deleted_clusters_node_is_removed_by_the_next_cluster_brought_up(
+    kube: Kubectl, web: dict[str, Any], tmp_path: Path
+) -> None:
+    """A worktree deleted while its cluster runs (``rm -rf`` gets as far as the node's mounts let it):
+    nothing can stop that cluster any more, since cluster.sh finds it through the deleted state dir. The
+    next cluster brought up on the machine removes it, control plane and node, and says so; ours is
+    untouched."""
+    gone_dir, next_dir = tmp_path / "gone", tmp_path / "next"
+    gone_name, next_name = f"g{secrets.token_hex(3)}", f"n{secrets.token_hex(3)}"
+    gone_id = node_py().node_id(gone_dir, gone_name)
+
+    def cluster(name: str, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SOVEREIGN_CLUSTER": name, "SOVEREIGN_CLUSTER_DIR": str(state)}
+        return subprocess.run([str(CLUSTER_SH), *args], env=env, capture_output=True, text=True, timeout=600)
+
+    try:
+        up = cluster(gone_name, gone_dir, "up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert [pid for pid in _pids() if str(gone_dir) in _cmdline(pid)]
+        shutil.rmtree(gone_dir, ignore_errors=True)  # what a user's `rm -rf` of the checkout does
+        up = cluster(next_name, next_dir, "up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"removed orphaned node {gone_id}: its cluster's state dir {gone_dir}" in up.stderr
+    finally:
+        cluster(next_name, next_dir, "down")
+
+    assert not [pid for pid in _pids() if str(gone_dir) in _cmdline(pid) or gone_id in _cmdline(pid)]
+    assert not Path(f"/run/netns/sovereign-{gone_id}").exists()
+    assert not Path(f"/sys/class/net/sov{gone_id}").exists()
+    assert not Path(f"/run/sovereign/{gone_id}").exists()
+    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/sovereign-{gone_id}")]
+    assert gone_id not in Path("/proc/self/mountinfo").read_text()
+    slots = Path("/run/sovereign/slots")
+    claims = {f.read_text().strip() for f in slots.iterdir()} if slots.is_dir() else set()
+    assert gone_id not in claims
+    shutil.rmtree(gone_dir)  # nothing holds it now
+    ns = web["ns"]
+    assert exec_in(kube, ns, "client", "get", f"http://web.{ns}.svc.cluster.local/").stdout.startswith(
+        "hello"
+    )
+
+
 def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 

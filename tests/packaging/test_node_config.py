@@ -78,6 +78,65 @@ def test_no_slot_when_the_whole_range_is_routed(node: ModuleType) -> None:
         node.choose_slot([route("10.244.0.0/16")], {}, "mine0000", "svmine", None)
 
 
+def run_dir(  # type: ignore[no-untyped-def]
+    node: ModuleType, id_: str, owner: Path | None, records: bool, alive: bool, age: float = 3600
+):
+    return node.RunDir(
+        id=id_,
+        owner_state=owner,
+        owner_name=None if owner is None else "sovereign",
+        owner_records_it=records,
+        daemons_alive=alive,
+        age_s=age,
+    )
+
+
+def test_orphans_are_nodes_whose_cluster_state_is_gone_and_nothing_else(node: ModuleType) -> None:
+    gone, here = Path("/tmp/deleted-clone/.cluster"), Path("/work/live/.cluster")
+    found = node.orphans(
+        [
+            run_dir(node, "aaaaaaaa", gone, records=False, alive=True),  # clone deleted, cluster running
+            run_dir(node, "bbbbbbbb", gone, records=False, alive=False),  # deleted after the processes died
+            run_dir(node, "cccccccc", here, records=True, alive=False),  # stopped: its owner may restart it
+            run_dir(node, "dddddddd", here, records=True, alive=True),
+            run_dir(node, "eeeeeeee", None, records=False, alive=False),  # from before owner records, dead
+            run_dir(node, "ffffffff", None, records=False, alive=True),  # from before owner records, running
+            run_dir(node, "22222222", None, records=False, alive=False, age=5),  # being set up right now
+            run_dir(node, "11111111", gone, records=False, alive=True),  # the node being brought up
+        ],
+        own_id="11111111",
+    )
+    why_gone = f"its cluster's state dir {gone} no longer records it"
+    assert [(d.id, why) for d, why in found] == [
+        ("aaaaaaaa", why_gone),
+        ("bbbbbbbb", why_gone),
+        ("eeeeeeee", "it records no owner and none of its daemons runs"),
+    ]
+
+
+def test_an_orphans_control_plane_is_found_by_the_paths_on_its_command_lines(node: ModuleType) -> None:
+    state = Path("/tmp/x/fresh/.cluster")
+    cmdlines = [
+        (10, "/tmp/x/fresh/e2e/cluster/bin/etcd --data-dir /tmp/x/fresh/.cluster/kwok/clusters/s/etcd"),
+        (11, "kube-apiserver --client-ca-file=/tmp/x/fresh/.cluster/kwok/clusters/s/pki/ca.crt"),
+        (12, "kube-apiserver --client-ca-file=/tmp/x/fresh/.cluster2/kwok/clusters/s/pki/ca.crt"),
+        (13, "etcd --data-dir /tmp/x/fresh/.clusterish"),
+        (14, "bash"),
+    ]
+    assert node.processes_naming(cmdlines, state) == [10, 11]
+    assert node.processes_naming(cmdlines, Path("/tmp/x/fresh/.cluster/")) == [10, 11]
+
+
+def test_the_owner_record_names_the_state_dir_and_the_cluster(node: ModuleType, tmp_path: Path) -> None:
+    assert json.loads(node.owner_record(tmp_path / "a" / ".." / ".cluster", "eng3")) == {
+        "state": str((tmp_path / ".cluster").resolve()),
+        "name": "eng3",
+    }
+    # An orphan's layout is addressed by the id found on the machine, whatever its state dir.
+    orphan = node.Layout(name="x", state=tmp_path, bin=tmp_path, slot=0, known_id="0123abcd")
+    assert orphan.netns == "sovereign-0123abcd" and orphan.run == node.RUN_ROOT / "0123abcd"
+
+
 def test_containerd_keeps_everything_per_node_and_pins_the_local_pause_image(
     node: ModuleType, layout
 ) -> None:  # type: ignore[no-untyped-def]

@@ -119,10 +119,12 @@ class Layout:
     state: Path  # the cluster's state dir (.cluster)
     bin: Path  # e2e/cluster/bin
     slot: int  # picks the /30 link and the /24 pod subnet
+    # An orphan found on the machine is known by its id alone (its run dir may predate owner records).
+    known_id: str | None = None
 
     @property
     def id(self) -> str:
-        return node_id(self.state, self.name)
+        return self.known_id or node_id(self.state, self.name)
 
     @property
     def dir(self) -> Path:
@@ -245,6 +247,58 @@ def choose_slot(
         if free(slot):
             return slot
     raise NodeError("no free address slot: every 10.243.N.0/30 + 10.244.N.0/24 pair is routed or claimed")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Orphans (pure): a node whose cluster's state dir is gone can no longer be stopped by anyone (cluster.sh
+# finds a node through that dir), so the next cluster brought up on the machine removes it.
+
+OWNER_FILE = "owner"  # in the node's run dir: {"state": ..., "name": ...}
+
+
+def owner_record(state: Path, name: str) -> str:
+    return json.dumps({"state": str(state.resolve()), "name": name}) + "\n"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """What the machine says about one node's run dir (``/run/sovereign/<id>``)."""
+
+    id: str
+    owner_state: Path | None  # None: no readable owner record (a node brought up before they existed)
+    owner_name: str | None
+    owner_records_it: bool  # the owner's state dir still holds the node's slot file
+    daemons_alive: bool  # a pid file of the run dir names a live process
+    age_s: float  # since the run dir last changed
+
+
+# A run dir without an owner record may be one being set up right now (the record is written last).
+UNOWNED_GRACE_S = 300
+
+
+def orphans(run_dirs: Iterable[RunDir], own_id: str) -> list[tuple[RunDir, str]]:
+    """The nodes to remove, each with why. A node is an orphan when its owner's state dir no longer
+    records it (the worktree was deleted, or ``rm -rf`` got as far as it could while the cluster ran:
+    mounts keep some directories), or when it has no owner record, nothing of it runs and it is older
+    than ``UNOWNED_GRACE_S`` (then only its namespaces, link, cgroups and slot are left, which a stopped
+    node's next ``up`` makes again). A node its owner still records is never touched."""
+    out = []
+    for run_dir in run_dirs:
+        if run_dir.id == own_id:
+            continue
+        if run_dir.owner_state is not None:
+            if not run_dir.owner_records_it:
+                out.append((run_dir, f"its cluster's state dir {run_dir.owner_state} no longer records it"))
+        elif not run_dir.daemons_alive and run_dir.age_s > UNOWNED_GRACE_S:
+            out.append((run_dir, "it records no owner and none of its daemons runs"))
+    return out
+
+
+def processes_naming(cmdlines: Iterable[tuple[int, str]], state: Path) -> list[int]:
+    """Pids whose command line names a path under ``state`` (a deleted cluster's control plane: etcd,
+    the apiserver and the others run with their files there)."""
+    prefix = str(state).rstrip("/") + "/"
+    return [pid for pid, cmdline in cmdlines if prefix in cmdline]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1309,7 +1363,83 @@ def allocate_slot(state: Path, name: str, bin_: Path) -> Layout:
             f.write(own_id + "\n")
     slot_file.parent.mkdir(parents=True, exist_ok=True)
     slot_file.write_text(f"{slot}\n")
+    # Last: an owner record says the slot file exists (``orphans`` relies on it).
+    (RUN_ROOT / own_id / OWNER_FILE).write_text(owner_record(state, name))
     return Layout(name=name, state=state.resolve(), bin=bin_, slot=slot)
+
+
+def _run_dirs() -> list[RunDir]:
+    out = []
+    if not RUN_ROOT.is_dir():
+        return out
+    for d in RUN_ROOT.iterdir():
+        if not (d.is_dir() and re.fullmatch(r"[0-9a-f]{8}", d.name)):
+            continue
+        owner_state = owner_name = None
+        try:
+            record = json.loads((d / OWNER_FILE).read_text())
+            owner_state, owner_name = Path(record["state"]), str(record["name"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        alive = any(_alive(pid) for f in d.glob("*.pid") for pid in _read_pids(f))
+        out.append(
+            RunDir(
+                id=d.name,
+                owner_state=owner_state,
+                owner_name=owner_name,
+                owner_records_it=owner_state is not None
+                and (owner_state / f"node-{owner_name}" / "slot").is_file(),
+                daemons_alive=alive,
+                age_s=time.time() - d.stat().st_mtime,
+            )
+        )
+    return out
+
+
+def _cmdlines() -> list[tuple[int, str]]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            out.append(
+                (
+                    int(proc.name),
+                    (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"),
+                )
+            )
+        except OSError:
+            continue
+    return out
+
+
+def reap_orphans(own_id: str, bin_: Path) -> list[str]:
+    """Remove every orphaned node on the machine (see ``orphans``): its processes and its deleted
+    cluster's control plane, namespaces, link, cgroups, run dir and slot. One line per node removed."""
+    lines = []
+    claims = {owner: slot for slot, owner in _claims().items()}
+    for run_dir, why in orphans(_run_dirs(), own_id):
+        state = run_dir.owner_state or RUN_ROOT / run_dir.id / "unknown-owner"
+        layout = Layout(
+            name=run_dir.owner_name or "unknown",
+            state=state,
+            bin=bin_,
+            slot=claims.get(run_dir.id, 0),
+            known_id=run_dir.id,
+        )
+        if run_dir.owner_state is not None:
+            _terminate(processes_naming(_cmdlines(), run_dir.owner_state), 5)
+        orphan = Node(layout=layout, kubectl_kubeconfig=state / "none", versions={})
+        orphan.stop()
+        orphan.remove_cgroups()
+        shutil.rmtree(layout.run, ignore_errors=True)
+        slots = RUN_ROOT / "slots"
+        for claim in slots.iterdir() if slots.is_dir() else ():
+            with contextlib.suppress(OSError):
+                if claim.read_text().strip() == run_dir.id:
+                    claim.unlink()
+        lines.append(f"removed orphaned node {run_dir.id}: {why}")
+    return lines
 
 
 def release_slot(layout: Layout) -> None:
@@ -1417,6 +1547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 unavailable.write_text(reason + "\n")
                 print(reason)
                 return 3
+            for line in reap_orphans(node_id(state, args.name), args.bin):
+                print(f"node.py: {line}", file=sys.stderr)
             layout = allocate_slot(state, args.name, args.bin)
             print(f"HOST_IP={layout.host_ip}")
             print(f"NODE_IP={layout.node_ip}")
@@ -1507,5 +1639,9 @@ __all__ = [
     "main",
     "mounts_below",
     "node_id",
+    "orphans",
+    "owner_record",
     "parse_env_file",
+    "processes_naming",
+    "reap_orphans",
 ]
