@@ -175,6 +175,8 @@ def assemble(kube: Kube, defaults: OperatorDefaults | None = None) -> tuple[Even
         startup_monitor=startup,
         forget_also=reconciler.forget,
         ready=lambda: STATE.cache.synced,
+        yield_to=applying,
+        max_yield_s=STATUS_MAX_YIELD_S,
     )
     STATE.kube, STATE.events, STATE.reconciler, STATE.loop = kube, events, reconciler, loop
     STATE.reconciles, STATE.statuses, STATE.startup = reconciles, statuses, startup

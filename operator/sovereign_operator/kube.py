@@ -8,6 +8,7 @@ no answer (a pod's log is always read from the apiserver).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -107,6 +108,7 @@ class Kube:
         # Node name -> (when read, its typing labels): nodes rarely change type, pods read them often.
         self._node_labels: dict[str, tuple[float, dict[str, str]]] = {}
         self._node_failures: dict[str, float] = {}
+        self._node_reads: dict[str, asyncio.Future[None]] = {}
         # Called before every write; raises when this process may not write (leadership.py).
         self._write_fence = write_fence or (lambda: None)
         self.cache = cache
@@ -418,23 +420,31 @@ class Kube:
             failed = self._node_failures.get(name)
             if failed is not None and now - failed < NODE_RETRY_S:
                 continue
-            try:
-                found = [node async for node in self.client.list(Node, fields={"metadata.name": name})]
-            except ApiError as error:
-                self._node_failures[name] = now
-                log.warning(
-                    "reading node %s failed (%s): starts on it are recorded once it can be read", name, error
-                )
-                continue
-            self._node_failures.pop(name, None)
-            if found:
-                labels = found[0].metadata.labels or {}
-                self._node_labels[name] = (now, {k: v for k, v in labels.items() if k in NODE_TYPE_LABELS})
+            # One read per node at a time: the rounds of many deployments on one node share it.
+            reading = self._node_reads.get(name)
+            if reading is None:
+                reading = self._node_reads[name] = asyncio.ensure_future(self._read_node_labels(name, now))
+                reading.add_done_callback(lambda _done, name=name: self._node_reads.pop(name, None))
+            await asyncio.shield(reading)
         while len(self._node_labels) > NODE_LABELS_KEPT:
             self._node_labels.pop(next(iter(self._node_labels)))
         while len(self._node_failures) > NODE_LABELS_KEPT:
             self._node_failures.pop(next(iter(self._node_failures)))
         return {name: self._node_labels[name][1] for name in names if name in self._node_labels}
+
+    async def _read_node_labels(self, name: str, now: float) -> None:
+        try:
+            found = [node async for node in self.client.list(Node, fields={"metadata.name": name})]
+        except ApiError as error:
+            self._node_failures[name] = now
+            log.warning(
+                "reading node %s failed (%s): starts on it are recorded once it can be read", name, error
+            )
+            return
+        self._node_failures.pop(name, None)
+        if found:
+            labels = found[0].metadata.labels or {}
+            self._node_labels[name] = (now, {k: v for k, v in labels.items() if k in NODE_TYPE_LABELS})
 
     async def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None

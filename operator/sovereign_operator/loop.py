@@ -12,6 +12,11 @@ download monitor reconciles a huggingFace source every DOWNLOAD_INTERVAL_S while
 the startup monitor reads the phase of pods still starting every round (startupmonitor.py).
 A part that reads the object and finds it gone (gone.py) ends its rounds and every part's memory of it.
 
+While children wait to be applied (`yield_to`: a burst of new deployments), ticks give way for up
+to `max_yield_s` at a time, as status refreshes do: the rounds' reads (pods, nodes) and writes (the
+first `OutputHealthy` of each new deployment) would otherwise compete with the child applies for the
+apiserver, and a deployment whose children are not applied yet has nothing to monitor.
+
 Not a `@kopf.timer`: kopf puts a finalizer on every object a timer serves, and a namespace-restricted
 kopf stops serving a namespace marked for deletion before releasing those finalizers, so deleting
 the namespace hung. This loop needs no finalizer; children go by their owner references. It is
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -34,6 +40,8 @@ from sovereign_operator.outputmonitor import OutputHealthMonitor
 from sovereign_operator.startupmonitor import StartupMonitor
 
 TICK_SECONDS = 5.0
+# The longest the rounds give way to pending child applies at a stretch (handlers.STATUS_MAX_YIELD_S).
+MAX_YIELD_S = 30.0
 # What a spec without `autoscaling.intervalSeconds` gets: the CRD's default, as the policy's.
 DEFAULT_INTERVAL_S = AutoscalerConfig().interval_s
 
@@ -62,8 +70,16 @@ class OperatorLoop:
         tick_s: float = TICK_SECONDS,
         logger: logging.Logger | None = None,
         ready: Callable[[], bool] = lambda: True,
+        yield_to: Callable[[], bool] = lambda: False,
+        max_yield_s: float = MAX_YIELD_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.served = served
+        self.yield_to = yield_to
+        self.max_yield_s = max_yield_s
+        self.clock = clock
+        # When the ticks began giving way (None: they are not).
+        self._yielding_since: float | None = None
         # False until the watch cache holds every object: rounds before that would read the
         # apiserver for every deployment (and see children still being listed as missing).
         self.ready = ready
@@ -104,7 +120,7 @@ class OperatorLoop:
     def tick(self) -> None:
         """Start a round for every served LLMDeployment whose previous round has finished; forget
         the ones no longer served."""
-        if not self.ready():
+        if not self.ready() or self._gives_way():
             return
         present: set[Key] = set()
         indexed: set[Key] = set()
@@ -127,6 +143,20 @@ class OperatorLoop:
             self.forget(*key)
         for key in [k for k in self.gone if k not in indexed]:
             del self.gone[key]
+
+    def _gives_way(self) -> bool:
+        """Whether this tick skips its rounds for pending child applies: yes while they last, but
+        never for longer than max_yield_s at a stretch (a long burst still gets a round that often)."""
+        if not self.yield_to():
+            self._yielding_since = None
+            return False
+        now = self.clock()
+        if self._yielding_since is None:
+            self._yielding_since = now
+        if now - self._yielding_since < self.max_yield_s:
+            return True
+        self._yielding_since = now
+        return False
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop everything every part keeps for one deployment."""

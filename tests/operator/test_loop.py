@@ -153,6 +153,77 @@ def test_no_round_runs_before_the_watch_cache_holds_every_object() -> None:
     asyncio.run(scenario())
 
 
+def test_rounds_give_way_to_pending_child_applies_but_not_for_longer_than_the_limit() -> None:
+    applying, now = True, 100.0
+    autoscaler, monitor = RecordingPart(), RecordingPart()
+    loop = OperatorLoop(
+        lambda: [obj("a", "x")],
+        autoscaler,  # type: ignore[arg-type]
+        monitor,  # type: ignore[arg-type]
+        yield_to=lambda: applying,
+        max_yield_s=30,
+        clock=lambda: now,
+    )
+    seen: list[float] = []
+
+    async def fake_round(namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        seen.append(now)
+
+    loop.round = fake_round  # type: ignore[method-assign]
+
+    async def tick_at(when: float) -> None:
+        nonlocal now
+        now = when
+        loop.tick()
+        await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        nonlocal applying
+        # A burst: the rounds wait while children are applied, at most 30 s at a stretch ...
+        for when in (100, 105, 125):
+            await tick_at(when)
+        assert seen == []
+        await tick_at(130)
+        assert seen == [130]
+        # ... and then wait again, so a long burst gets a round every 30 s, not every tick.
+        await tick_at(135)
+        await tick_at(155)
+        assert seen == [130]
+        await tick_at(160)
+        assert seen == [130, 160]
+        # Once nothing waits to be applied, every tick runs its rounds, and the next burst starts afresh.
+        applying = False
+        await tick_at(165)
+        applying = True
+        await tick_at(170)
+        await tick_at(195)
+        assert seen == [130, 160, 165]
+        await tick_at(200)
+        assert seen == [130, 160, 165, 200]
+
+    asyncio.run(scenario())
+
+
+def test_the_assembled_loop_gives_way_to_the_reconcile_queue() -> None:
+    kube = FakeKube(body_for(TINY_SPEC))
+    saved = copy.copy(handlers.STATE)
+    try:
+        handlers.STATE.cache = ClusterCache()
+        _, loop = handlers.assemble(kube)  # type: ignore[arg-type]
+        reconciles = handlers.STATE.reconciles
+        assert reconciles is not None and loop.max_yield_s == handlers.STATUS_MAX_YIELD_S
+        assert not loop.yield_to()
+
+        async def queued() -> bool:
+            reconciles.add(("ns", "llm"))  # a reconcile (its child applies) waiting; no worker runs
+            return loop.yield_to()
+
+        assert asyncio.run(queued())
+    finally:
+        for name, value in vars(saved).items():
+            setattr(handlers.STATE, name, value)
+
+
 class MonitorKube:
     """A Ready disaggregated LLMDeployment whose pods are listed separately (none ready yet)."""
 
