@@ -470,7 +470,7 @@ def test_cached_transposed_weight_follows_weight_updates() -> None:
 def test_packed_cpu_linear_matches_and_follows_weight_updates() -> None:
     """From PACKED_MIN_ROWS rows an fp32 CPU linear runs on oneDNN's packed copy: the same product (to
     rounding), rebuilt after in-place updates, replaced weights and (with forget_derived_weights) writes
-    through ``.data``; routed experts are packed within a budget (the next test)."""
+    through ``.data``; routed experts are never packed."""
     from sovereign_runtime.model import layers
     from sovereign_runtime.model.layers import MoE, _apply, forget_derived_weights
 
@@ -507,49 +507,5 @@ def test_packed_cpu_linear_matches_and_follows_weight_updates() -> None:
             }
         )
     )
-    experts = [m for m in moe.experts.modules() if isinstance(m, torch.nn.Linear)]
-    assert all(m.pack_on_cpu == "budgeted" for m in experts)
+    assert all(not m.pack_on_cpu for m in moe.experts.modules() if isinstance(m, torch.nn.Linear))
     assert moe.shared_experts is not None and moe.shared_experts.gate_proj.__dict__.get("pack_on_cpu", True)
-
-
-def test_routed_experts_are_packed_within_the_process_budget_and_counted_out_when_freed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import gc
-
-    from sovereign_runtime.model import layers
-    from sovereign_runtime.model.layers import MoE, _apply, forget_derived_weights
-
-    if not layers._ONEDNN:
-        pytest.skip("this torch build has no oneDNN linear ops (the plain mm path is the one in use)")
-    config = ModelConfig.from_dict(
-        json.loads(json.dumps(V3_CONFIG))
-        | {
-            "hidden_size": 64,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "n_group": 4,
-            "topk_group": 2,
-        }
-    )
-    expert_bytes = 64 * 16 * 4  # one projection's fp32 weight
-    gc.collect()  # other tests' models: counted out now, not in the middle of this one
-    held = layers._packed_expert_bytes
-    monkeypatch.setattr(layers, "PACKED_EXPERTS_MAX_BYTES", held + 3 * expert_bytes)  # room for three more
-    x = torch.randn(layers.PACKED_MIN_ROWS, 64)
-    first, second = MoE(config), MoE(config)
-    with torch.no_grad():
-        ups = [e.up_proj for e in first.experts] + [e.up_proj for e in second.experts]
-        outs = [_apply(up, x) for up in ups]
-        for up, out in zip(ups, outs, strict=True):
-            assert torch.allclose(out, x @ up.weight.t(), rtol=1e-5, atol=1e-5)  # packed or not, the same
-        assert ["_packed" in up.__dict__ for up in ups] == [True] * 3 + [False] * 13
-        assert [up.pack_on_cpu for up in ups[3:]] == [False] * 13  # decided once, not asked again
-        assert layers._packed_expert_bytes == held + 3 * expert_bytes
-        # Packing again after the weight changes (or after forget_derived_weights) costs no budget.
-        forget_derived_weights(ups[0])
-        _apply(ups[0], x)
-        assert "_packed" in ups[0].__dict__ and layers._packed_expert_bytes == held + 3 * expert_bytes
-    del first, ups, outs
-    gc.collect()
-    assert layers._packed_expert_bytes == held  # the freed model's copies are counted out

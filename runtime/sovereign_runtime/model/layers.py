@@ -1,13 +1,10 @@
 """DeepSeek-V3 building blocks: RMSNorm, dense MLP, the MoE with grouped top-k routing, MLA attention.
 
 Module and parameter names follow the HF checkpoint (``self_attn.q_a_proj``, ``mlp.experts.3.up_proj``, ...)
-so weights load by name. The only global state read here is the attention metadata context, and the
-process's budget for packed copies of routed experts (PACKED_EXPERTS_MAX_BYTES).
+so weights load by name. The only global state read here is the attention metadata context.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -36,50 +33,18 @@ _ONEDNN = (
 PACKED_MIN_ROWS = 4
 PACKED_ALWAYS_MIN_OUT = 2048
 _PACK_ROWS_HINT = 16
-# Routed experts are most of a MoE model's memory, so their packed copies are budgeted: this many bytes
-# of them at most in the process (live copies: a freed model's are counted out), first used first
-# packed; past the budget an expert keeps MKL's ``mm``. Small CPU models (the bench's mid-size one: 72 MiB
-# of experts, more than a 32 MiB L3) get them all: an expert product at 4-16 rows streamed from memory
-# took 44.5 against 69 µs packed, a 16- and a 64-sequence decode step 1.08x faster (docs/engine.md).
-PACKED_EXPERTS_MAX_BYTES = 256 << 20
-_packed_expert_bytes = 0
-
-
-def _release_expert_bytes(nbytes: int) -> None:
-    global _packed_expert_bytes
-    _packed_expert_bytes -= nbytes
-
-
-def _expert_budget_allows(linear: nn.Module, weight: torch.Tensor) -> bool:
-    """For a routed expert (``pack_on_cpu == "budgeted"``) without a packed copy: whether one fits the
-    budget. One that does not is marked never to pack, so the question is asked once."""
-    nbytes = weight.numel() * weight.element_size()
-    if _packed_expert_bytes + nbytes > PACKED_EXPERTS_MAX_BYTES:
-        linear.pack_on_cpu = False
-        return False
-    return True
 
 
 def _packed_weight(linear: nn.Linear, weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's layout (a copy, made on first use), or None where it does not apply: not
-    fp32 on CPU, a linear marked ``pack_on_cpu = False``, or a routed expert (``"budgeted"``) past
-    PACKED_EXPERTS_MAX_BYTES."""
-    global _packed_expert_bytes
+    fp32 on CPU, or a linear marked ``pack_on_cpu = False`` (routed experts: most of a MoE model's memory,
+    and they see few rows per step, where packing does not pay)."""
     if not _ONEDNN or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    policy = linear.__dict__.get("pack_on_cpu", True)
-    if policy is False:
+    if not linear.__dict__.get("pack_on_cpu", True):
         return None
     cached = linear.__dict__.get("_packed")
     if cached is None or cached[0] is not weight or cached[1] != (weight.data_ptr(), weight._version):
-        if policy == "budgeted" and not linear.__dict__.get("_budget_counted"):
-            if not _expert_budget_allows(linear, weight):
-                return None
-            # Counted once per module, whatever replaces its weight later; counted out when it is freed.
-            nbytes = weight.numel() * weight.element_size()
-            _packed_expert_bytes += nbytes
-            weakref.finalize(linear, _release_expert_bytes, nbytes)
-            linear.__dict__["_budget_counted"] = True
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
         cached = linear.__dict__["_packed"] = (weight, (weight.data_ptr(), weight._version), packed)
     return cached[2]
@@ -252,7 +217,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(config.hidden_size, width) for _ in range(n))
         for linear in self.experts.modules():
             if isinstance(linear, nn.Linear):
-                linear.pack_on_cpu = "budgeted"  # see PACKED_EXPERTS_MAX_BYTES
+                linear.pack_on_cpu = False  # see _packed_weight
         self.gate = Router(config)
         self.shared_experts = (
             MLP(config.hidden_size, width * config.n_shared_experts) if config.n_shared_experts else None
