@@ -40,8 +40,6 @@ from sovereign_operator.outputmonitor import OutputHealthMonitor
 from sovereign_operator.startupmonitor import StartupMonitor
 
 TICK_SECONDS = 5.0
-# The longest the rounds give way to pending child applies at a stretch (handlers.STATUS_MAX_YIELD_S).
-MAX_YIELD_S = 30.0
 # What a spec without `autoscaling.intervalSeconds` gets: the CRD's default, as the policy's.
 DEFAULT_INTERVAL_S = AutoscalerConfig().interval_s
 
@@ -71,7 +69,7 @@ class OperatorLoop:
         logger: logging.Logger | None = None,
         ready: Callable[[], bool] = lambda: True,
         yield_to: Callable[[], bool] = lambda: False,
-        max_yield_s: float = MAX_YIELD_S,
+        max_yield_s: float = 0.0,  # handlers.py gives STATUS_MAX_YIELD_S, as to status refreshes
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.served = served

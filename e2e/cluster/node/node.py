@@ -1433,11 +1433,7 @@ def reap_orphans(own_id: str, bin_: Path) -> list[str]:
         orphan.stop()
         orphan.remove_cgroups()
         shutil.rmtree(layout.run, ignore_errors=True)
-        slots = RUN_ROOT / "slots"
-        for claim in slots.iterdir() if slots.is_dir() else ():
-            with contextlib.suppress(OSError):
-                if claim.read_text().strip() == run_dir.id:
-                    claim.unlink()
+        release_slot(layout)
         lines.append(f"removed orphaned node {run_dir.id}: {why}")
     return lines
 
