@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import builtin
+from .allocator import tune_malloc
 from .assembly import (
     DTYPES,
     EngineOptions,
@@ -497,6 +498,7 @@ def run_serve(args: argparse.Namespace) -> int:
     speculative = speculative_config(args)
     model_path = resolve_model(args.model)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sovereign_runtime").info("%s", tune_malloc(os.environ))
     layout, node, address = parallel_layout(args)
     if args.group_rank is not None:
         return _run_subprocess_rank(args, model_path, layout, address)

@@ -509,3 +509,29 @@ def test_packed_cpu_linear_matches_and_follows_weight_updates() -> None:
     )
     assert all(not m.pack_on_cpu for m in moe.experts.modules() if isinstance(m, torch.nn.Linear))
     assert moe.shared_experts is not None and moe.shared_experts.gate_proj.__dict__.get("pack_on_cpu", True)
+
+
+@pytest.mark.parametrize(("q_len", "ctx"), [(40, 40), (24, 70), (1, 9)])
+def test_causal_attention_matches_masked_softmax_and_runs_the_fused_cpu_kernel(q_len: int, ctx: int) -> None:
+    """MLA's V is narrower than Q and K; the chunk's attention pads it so CPU SDPA takes its fused kernel,
+    and the result is the written-out masked softmax's (queries at the last q_len of ctx positions)."""
+    from sovereign_runtime.model.layers import causal_attention
+
+    g = torch.Generator().manual_seed(q_len + ctx)
+    heads, qk_dim, v_dim, scale = 4, 24, 16, 0.2
+    q = torch.randn(q_len, heads, qk_dim, generator=g)
+    k = torch.randn(ctx, heads, qk_dim, generator=g)
+    v = torch.randn(ctx, heads, v_dim, generator=g)
+    positions = torch.arange(ctx - q_len, ctx)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = causal_attention(q, k, v, positions, scale)
+    ran = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ran, sorted(ran)
+    assert "aten::_scaled_dot_product_attention_math" not in ran
+
+    scores = torch.einsum("thd,lhd->htl", q, k) * scale
+    allowed = torch.arange(ctx)[None, :] <= positions[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    expected = torch.einsum("htl,lhv->thv", probs, v)
+    assert got.shape == (q_len, heads, v_dim)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
