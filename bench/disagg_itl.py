@@ -99,6 +99,9 @@ class Setup:
             "127.0.0.1",
         ]
         serve += ["--max-model-len", "4096", "--num-kv-blocks", "1024", "--max-num-seqs", "16"]
+        # The step budget the figures in docs/BENCHMARKS.md were measured with (the default until
+        # 2026-12-07): a larger one prefills in fewer, longer steps that stall the unified pool's streams.
+        serve += ["--max-num-batched-tokens", "512"]
         urls = []
         roles = ["unified", "unified"] if kind == "unified" else ["prefill", "decode"]
         for core, role in enumerate(roles):

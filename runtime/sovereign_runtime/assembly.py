@@ -39,6 +39,7 @@ from .engine.group import (
     rank_device,
     rendezvous,
 )
+from .engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from .engine.selftest import prepare_output_guard
 from .engine.speculative import SpeculativeConfig
 from .engine.tensor_parallel import GroupFailure, GroupLeader, Placement, collective_error, run_worker
@@ -62,6 +63,7 @@ class EngineOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     kv_cache_gib: float | None = None
     num_kv_blocks: int | None = None
     # Set when serving over several ranks (--tensor-parallel-size/--pipeline-parallel-size > 1): this
@@ -135,6 +137,7 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
         speculative = None
     config = EngineConfig(
         max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
         max_model_len=options.max_model_len,
         num_kv_blocks=options.num_kv_blocks,
         kv_cache_gib=options.kv_cache_gib,

@@ -40,6 +40,7 @@ from .engine.group import (
     spawn_node_ranks,
 )
 from .engine.repetition import check_window
+from .engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, SpeculativeConfig
 from .model.faults import FaultSpec
 from .program import UsageError
@@ -181,6 +182,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-num-seqs", type=_positive_int, default=64, metavar="N", help="requests in one batch"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        metavar="N",
+        help="tokens one step computes: running decodes first, then prefill chunks of the rest (at least"
+        " --max-num-seqs)",
     )
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-gib", type=_positive_float, metavar="GIB", help="KV-cache size in GiB")
@@ -471,6 +480,18 @@ def _own_address(args: argparse.Namespace, layout: GroupLayout) -> str:
     return node_address(args.host)
 
 
+def step_token_budget(args: argparse.Namespace) -> int:
+    """``--max-num-batched-tokens``, refused below ``--max-num-seqs``: every running request decodes one
+    token a step, and a budget under the batch would leave the same requests out of every step."""
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise UsageError(
+            f"serve: --max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs"
+            f" {args.max_num_seqs}: each running request needs a token every step; raise it or lower"
+            " --max-num-seqs"
+        )
+    return int(args.max_num_batched_tokens)
+
+
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """The engine's speculative decoding from the flags; a draft flag without the algorithm is refused."""
     if args.speculative_algorithm is None:
@@ -494,6 +515,25 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return config
 
 
+def engine_options(
+    args: argparse.Namespace, model_path: Path, speculative: SpeculativeConfig | None
+) -> EngineOptions:
+    """The engine's part of the ``serve`` flags (refusing bad combinations as ``UsageError``)."""
+    return EngineOptions(
+        model_path=model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=step_token_budget(args),
+        kv_cache_gib=args.kv_cache_gib,
+        num_kv_blocks=args.num_kv_blocks,
+        self_test=not args.no_self_test,
+        fault=fault_spec(args),
+        speculative=speculative,
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     speculative = speculative_config(args)
     model_path = resolve_model(args.model)
@@ -510,18 +550,7 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (
         args.model if args.model.startswith(BUILTIN_PREFIX) else model_path.name
     )
-    options = EngineOptions(
-        model_path=model_path,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        num_kv_blocks=args.num_kv_blocks,
-        self_test=not args.no_self_test,
-        fault=fault_spec(args),
-        speculative=speculative,
-    )
+    options = engine_options(args, model_path, speculative)
     config = ServerConfig(
         served_model_name=name,
         api_key=api_key,

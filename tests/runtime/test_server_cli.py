@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 from server_support import byte_tokenizer_checkpoint, free_port
-from sovereign_runtime.cli import resolve_model
-from sovereign_runtime.program import main
+from sovereign_runtime.assembly import load_runtime
+from sovereign_runtime.cli import engine_options, resolve_model
+from sovereign_runtime.engine import SamplingParams
+from sovereign_runtime.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from sovereign_runtime.program import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,7 @@ def _run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
         (["serve", "--model", "x", "--role", "mixed"], "--role"),
         (["serve", "--model", "x", "--port", "99999"], "--port"),
         (["serve", "--model", "x", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["serve", "--model", "x", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
         (["serve", "--model", "x", "--kv-cache-gib", "1", "--num-kv-blocks", "4"], "--num-kv-blocks"),
         (["serve", "--model", "x", "--device", "tpu"], "--device"),
         (["serve", "--model", "x", "--bogus"], "--bogus"),
@@ -131,6 +135,40 @@ def test_bad_speculative_flags_exit_2_naming_the_flag(
 ) -> None:
     code, err = _run_main(["serve", "--model", str(checkpoint), *flags], capsys)
     assert code == 2 and named in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_step_token_budget_below_the_batch_is_refused_naming_both_flags(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["serve", "--model", str(checkpoint), "--max-num-seqs", "8", "--max-num-batched-tokens", "4"]
+    code, err = _run_main(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--max-num-batched-tokens 4 is below --max-num-seqs 8" in err
+
+
+def test_the_step_token_budget_reaches_the_scheduler(checkpoint: Path) -> None:
+    parse = build_parser(load={"serve"}).parse_args
+    default = engine_options(parse(["serve", "--model", str(checkpoint)]), checkpoint, None)
+    assert default.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    args = parse(
+        ["serve", "--model", str(checkpoint), "--max-num-seqs", "4", "--max-num-batched-tokens", "24"]
+    )
+    options = engine_options(args, checkpoint, None)
+    options.device, options.num_kv_blocks, options.self_test = "cpu", 32, False
+    runtime = load_runtime(options, lambda *_: None)
+    try:
+        core = runtime.engine.engine  # type: ignore[attr-defined]
+        assert core.scheduler.config.max_num_batched_tokens == 24
+        # A 60-token prompt prefills in chunks of 24, 24 and 12: three steps to its first token.
+        core.add_request(list(range(3, 63)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        steps = 0
+        while core.has_unfinished():
+            core.step()
+            steps += 1
+        assert steps == 3
+    finally:
+        if runtime.close is not None:
+            runtime.close()
 
 
 def _get(url: str, headers: dict[str, str] | None = None, body: Any = None) -> tuple[int, Any]:

@@ -25,7 +25,7 @@ from .model_runner import ModelRunner, PagedModel
 from .repetition import RepetitionDetector
 from .sampler import SamplerOutput, make_generator
 from .sampling import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Sequence
 from .speculative import MTPDrafter, SpeculativeConfig, accepted_prefix
 
@@ -34,7 +34,7 @@ from .speculative import MTPDrafter, SpeculativeConfig, accepted_prefix
 class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # KV capacity (see plan_num_blocks): explicit block count, or GiB, or a fraction of free memory.

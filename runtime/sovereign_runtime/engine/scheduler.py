@@ -22,12 +22,17 @@ from .block_manager import BlockPool
 from .radix_cache import RadixCache
 from .sequence import Sequence, SequenceStatus
 
+# Tokens one step computes: running decodes first, then prefill chunks up to the rest. vLLM's default for
+# its CPU API server; against 512 it prefills a 1000-token prompt 1.14x faster on CPU (one forward over the
+# weights instead of two) at the price of a longer step for the decodes that share it (docs/engine.md).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @dataclass
 class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
 
