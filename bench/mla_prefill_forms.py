@@ -5,11 +5,16 @@
 One attention layer with DeepSeek-V3 head dims (kv_lora_rank 512, nope 128, rope 64, v 128) and fewer heads,
 fp32, through the real paged-cache path. Reports the time of each form and the ratio, for full prompts and
 for a 64-token chunk on top of a long cached prefix. Measures the rule behind ``MLAAttention.prefill_form = "auto"``.
+
+``--grid``: new tokens 16..256 over cached prefixes 0..2048. ``--engine``: a chat's next turn (new tokens
+over a cached prefix) through the engine on the mid-size checkpoint of bench/vllm_peer.py, TTFT in thread
+CPU time, the CPU rule (``absorbed_prefill_pays`` and 4x) against the earlier one (16x), alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,13 +60,60 @@ def run(layer: _OneLayer, prefix: int, chunk: int, absorb: bool, x: torch.Tensor
     return time.perf_counter() - start
 
 
+def next_turn_ttft(repeats: int) -> None:
+    """TTFT of ``new`` tokens over a cached ``prefix`` on the mid-size checkpoint, per CPU prefill rule."""
+    import random
+
+    import sovereign_runtime.model.layers as layers
+    from sovereign_runtime.allocator import tune_malloc
+    from sovereign_runtime.engine.engine import EngineConfig, LLMEngine
+    from sovereign_runtime.engine.sampling import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vllm_peer import mid_checkpoint
+
+    tune_malloc(os.environ)  # what serve does
+    engine = LLMEngine.from_pretrained(mid_checkpoint(), EngineConfig(num_kv_blocks=4096, max_model_len=8192))
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(0)
+    rules = {
+        "earlier (16x)": (lambda _config, _query: True, 16),
+        "now (cost model, 4x)": (layers.absorbed_prefill_pays, 4),
+    }
+    print(
+        "| cached prefix | new tokens | " + " | ".join(rules) + " |\n| ---: | ---: |" + " ---: |" * len(rules)
+    )
+    for prefix, new in ((128, 32), (256, 48), (256, 64), (1024, 128), (2048, 128), (4096, 256)):
+        best = {name: float("inf") for name in rules}
+        for _ in range(repeats):
+            for name, (pays, ratio) in rules.items():
+                layers.absorbed_prefill_pays, MLAAttention.cpu_absorb_context_ratio = pays, ratio
+                cached = [rng.randrange(2, 4000) for _ in range(prefix)]
+                engine.generate([[*cached, 3]], one)  # the prefix's pages go into the radix cache
+                turn = cached + [rng.randrange(2, 4000) for _ in range(new)]
+                start = time.thread_time()
+                engine.generate([turn], one)
+                best[name] = min(best[name], time.thread_time() - start)
+        cells = " | ".join(f"{t * 1e3:.1f} ms" for t in best.values())
+        print(f"| {prefix} | {new} | {cells} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--grid", action="store_true", help="new tokens 16..256 over prefixes 0..2048: where the forms cross"
+    )
+    parser.add_argument(
+        "--engine", action="store_true", help="a chat's next turn through the engine, per rule"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        next_turn_ttft(args.repeats)
+        return
     config = ModelConfig.from_dict(
         {
             "vocab_size": 16, "hidden_size": 1024, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -77,7 +129,10 @@ def main() -> None:
     print(f"heads {args.heads}, threads {args.threads}, fp32, V3 head dims")
     print("| prefix | new tokens | naive (ms) | absorbed (ms) | absorbed / naive |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    for prefix, chunk in [(0, 64), (0, 256), (0, 1024), (256, 64), (1024, 64), (1024, 256), (2048, 64)]:
+    cases = [(0, 64), (0, 256), (0, 1024), (256, 64), (1024, 64), (1024, 256), (2048, 64)]
+    if args.grid:
+        cases = [(p, c) for c in (16, 32, 64, 128, 256) for p in (0, 64, 256, 1024, 2048)]
+    for prefix, chunk in cases:
         # Alternate the two forms and keep each one's best time: the machine is shared and noisy.
         naive, absorbed = float("inf"), float("inf")
         for _ in range(args.repeats):

@@ -287,14 +287,29 @@ def test_auto_prefill_form_absorbs_chunks_over_a_cached_prefix() -> None:
     from sovereign_runtime.model.layers import MLAAttention
 
     attn = MLAAttention.__new__(MLAAttention)  # only the decision rule is exercised
+    attn.config = ModelConfig.from_dict(V3_CONFIG)
     attn.prefill_form = "auto"
-    assert not attn._absorb_prefill(64, 64) and not attn._absorb_prefill(2048, 2048)  # fresh prompts expand
-    assert not attn._absorb_prefill(256, 1280)  # long chunks expand
-    assert attn._absorb_prefill(64, 1088) and attn._absorb_prefill(
-        64, 4096
-    )  # short chunks over a prefix absorb
+    # CPU, V3 head dims (bench/mla_prefill_forms.py --grid): fresh prompts and short prefixes expand ...
+    assert not attn._absorb_prefill(64, 64, on_cpu=True) and not attn._absorb_prefill(2048, 2048, on_cpu=True)
+    assert not attn._absorb_prefill(64, 128, on_cpu=True) and not attn._absorb_prefill(128, 384, on_cpu=True)
+    # ... chunks of up to 126 tokens over a context of 4x theirs absorb (absorbed/naive 0.16-0.90) ...
+    for chunk, context in ((16, 80), (64, 320), (126, 1152), (32, 8192)):
+        assert attn._absorb_prefill(chunk, context, on_cpu=True), (chunk, context)
+    # ... and longer chunks expand at any context (absorbed 1.2x slower for 256 over 8448).
+    assert not attn._absorb_prefill(256, 8448, on_cpu=True) and not attn._absorb_prefill(
+        127, 4096, on_cpu=True
+    )
+    # Narrower heads make the expansion cheaper, so fewer new tokens pay for absorbing: 56 with the
+    # bench's mid-size dims (nope, rope and v 64).
+    attn.config = ModelConfig.from_dict(
+        {**V3_CONFIG, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64}
+    )
+    assert attn._absorb_prefill(56, 1024, on_cpu=True) and not attn._absorb_prefill(57, 1024, on_cpu=True)
+    # Elsewhere the earlier ratio rule: context at least 16x the chunk.
+    assert not attn._absorb_prefill(64, 320, on_cpu=False) and attn._absorb_prefill(64, 1088, on_cpu=False)
+    assert attn._absorb_prefill(256, 4352, on_cpu=False)
     attn.prefill_form = "naive"
-    assert not attn._absorb_prefill(64, 1088)
+    assert not attn._absorb_prefill(64, 1088, on_cpu=True)
 
 
 def test_rope_lookup_follows_in_place_updates_of_positions() -> None:

@@ -363,6 +363,30 @@ def causal_attention(
     return o[..., :width].transpose(0, 1)
 
 
+# The absorbed form's multiply-adds per context token run at about this fraction of the expanded form's
+# speed on CPU (einsums over latent rows against one large product): fitted to bench/mla_prefill_forms.py.
+ABSORBED_CPU_EFFICIENCY = 0.8
+
+
+def absorbed_prefill_pays(config: ModelConfig, query_len: int) -> bool:
+    """Whether attending in latent space costs fewer (efficiency-weighted) multiply-adds per context token
+    and head than expanding K/V for it: ``q (2r + rope)`` for the absorbed scores and values against
+    ``r (nope + v)`` for the expansion plus ``q (nope + rope + v)`` for expanded attention (r: kv_lora_rank).
+
+    With DeepSeek-V3's head dims up to 126 new tokens absorb; with the bench's mid-size model (nope, rope, v
+    64) up to 56.
+    """
+    r, nope, rope, v = (
+        config.kv_lora_rank,
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+    )
+    absorbed = query_len * (2 * r + rope)
+    expanded = r * (nope + v) + query_len * (nope + rope + v)
+    return absorbed <= ABSORBED_CPU_EFFICIENCY * expanded
+
+
 class MLAAttention(nn.Module):
     """Multi-head latent attention over the paged latent cache.
 
@@ -372,10 +396,12 @@ class MLAAttention(nn.Module):
     """
 
     # Prefill form: "naive" expands per-head K/V from the latent, "absorbed" attends in latent space, "auto"
-    # absorbs when the new tokens are a short chunk over a long cached prefix (context ≥ 16 × new tokens:
-    # chunked prefill, radix-cache hits), where expanding K/V for the whole context dominates; fresh prompts
-    # and long chunks expand. Measured on CPU with V3 head dims (bench/mla_prefill_forms.py, see
-    # docs/BENCHMARKS.md): absorbed/naive time 0.44 at 64 over 2048, 0.81 at 64 over 1024, 1.08-1.34 below.
+    # absorbs when the new tokens are a short chunk over a cached prefix (radix-cache hits, a chat's next
+    # turn), where expanding K/V for the whole context dominates; fresh prompts and long chunks expand.
+    # On CPU (absorbed_prefill_pays; bench/mla_prefill_forms.py --grid, docs/BENCHMARKS.md) the chunk must
+    # be short enough for the cost model below and the context at least 4x the chunk. Elsewhere (not
+    # measured on a GPU yet) the earlier rule stays: a context of at least 16x the chunk.
+    cpu_absorb_context_ratio: int = 4
     absorb_context_ratio: int = 16
     prefill_form: str = "auto"
 
@@ -528,9 +554,13 @@ class MLAAttention(nn.Module):
         cache = self.kv_cache
         return cache.view(-1, cache.shape[-1]).index_select(0, slots.to(cache.device))
 
-    def _absorb_prefill(self, query_len: int, context_len: int) -> bool:
+    def _absorb_prefill(self, query_len: int, context_len: int, *, on_cpu: bool) -> bool:
         if self.prefill_form != "auto":
             return self.prefill_form == "absorbed"
+        if on_cpu:
+            return context_len >= self.cpu_absorb_context_ratio * query_len and absorbed_prefill_pays(
+                self.config, query_len
+            )
         return context_len >= self.absorb_context_ratio * query_len
 
     def _prefill(
@@ -541,7 +571,7 @@ class MLAAttention(nn.Module):
         kv = kv.to(q_nope.dtype)
         latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         ctx = kv.shape[0]
-        if self._absorb_prefill(q_nope.shape[0], ctx):
+        if self._absorb_prefill(q_nope.shape[0], ctx, on_cpu=q_nope.device.type == "cpu"):
             key_pos = torch.arange(ctx, device=positions.device)
             allowed = key_pos[None, :] <= positions[:, None]  # [q, L] causal by absolute position
             w_uk, w_uv_t = self._w_uk_uv(q_nope.dtype)
