@@ -1,6 +1,6 @@
 """The case for disaggregation, measured: steady decode streams while long prompts arrive.
 
-    python bench/disagg_itl.py [--seconds 20] [--streams 4] [--lengths 512,1024,2048]
+    python bench/disagg_itl.py [--seconds 20] [--streams 4] [--lengths 512,1024,2048] [--step-budget 512]
 
 Two setups on the same two cores, each behind the router, run one after the other in this process:
 
@@ -85,7 +85,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) 
 
 
 class Setup:
-    def __init__(self, kind: str, checkpoint: Path) -> None:
+    def __init__(self, kind: str, checkpoint: Path, step_budget: int) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         serve = [
@@ -99,9 +99,7 @@ class Setup:
             "127.0.0.1",
         ]
         serve += ["--max-model-len", "4096", "--num-kv-blocks", "1024", "--max-num-seqs", "16"]
-        # The step budget the figures in docs/BENCHMARKS.md were measured with (the default until
-        # 2026-12-07): a larger one prefills in fewer, longer steps that stall the unified pool's streams.
-        serve += ["--max-num-batched-tokens", "512"]
+        serve += ["--max-num-batched-tokens", str(step_budget)]
         urls = []
         roles = ["unified", "unified"] if kind == "unified" else ["prefill", "decode"]
         for core, role in enumerate(roles):
@@ -192,12 +190,15 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048])
+    # 512: what the first figures in docs/BENCHMARKS.md were measured with (serve's default until
+    # 2026-12-07, now 2048); a larger budget prefills in fewer, longer steps beside the unified streams.
+    parser.add_argument("--step-budget", type=int, default=512, help="serve --max-num-batched-tokens")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(Path(tmp) / "ckpt")
         for kind in ("unified", "disaggregated"):
-            setup = Setup(kind, checkpoint)
+            setup = Setup(kind, checkpoint, args.step_budget)
             try:
                 results[kind] = asyncio.run(run_load(setup.url, args))
             finally:
