@@ -70,7 +70,7 @@ def next_turn_ttft(repeats: int) -> None:
     from sovereign_runtime.engine.sampling import SamplingParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vllm_peer import mid_checkpoint
+    from vllm_peer import _random_prompts, mid_checkpoint
 
     tune_malloc(os.environ)  # what serve does
     engine = LLMEngine.from_pretrained(mid_checkpoint(), EngineConfig(num_kv_blocks=4096, max_model_len=8192))
@@ -88,9 +88,9 @@ def next_turn_ttft(repeats: int) -> None:
         for _ in range(repeats):
             for name, (pays, ratio) in rules.items():
                 layers.absorbed_prefill_pays, MLAAttention.cpu_absorb_context_ratio = pays, ratio
-                cached = [rng.randrange(2, 4000) for _ in range(prefix)]
+                cached = _random_prompts(rng, 1, prefix, 4000)[0]
                 engine.generate([[*cached, 3]], one)  # the prefix's pages go into the radix cache
-                turn = cached + [rng.randrange(2, 4000) for _ in range(new)]
+                turn = cached + _random_prompts(rng, 1, new, 4000)[0]
                 start = time.thread_time()
                 engine.generate([turn], one)
                 best[name] = min(best[name], time.thread_time() - start)

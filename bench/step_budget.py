@@ -31,13 +31,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from sovereign_runtime.allocator import tune_malloc  # noqa: E402
 from sovereign_runtime.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from sovereign_runtime.engine.sampling import SamplingParams  # noqa: E402
-from vllm_peer import OursServer, _concurrent, mid_checkpoint  # noqa: E402
+from vllm_peer import OursServer, _concurrent, _random_prompts, mid_checkpoint  # noqa: E402
 
 VOCAB_DRAWN = 4000  # token ids drawn below this (the mid-size vocabulary is 4096)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, VOCAB_DRAWN) for _ in range(n)]
+    return _random_prompts(rng, 1, n, VOCAB_DRAWN)[0]
 
 
 def _engine(path: Path, budget: int) -> LLMEngine:

@@ -24,7 +24,8 @@ from .sequence import Sequence, SequenceStatus
 
 # Tokens one step computes: running decodes first, then prefill chunks up to the rest. vLLM's default for
 # its CPU API server; against 512 it prefills a 1000-token prompt 1.14x faster on CPU (one forward over the
-# weights instead of two) at the price of a longer step for the decodes that share it (docs/engine.md).
+# weights instead of two) at the price of a longer step for the decodes that share it (docs/runtime.md;
+# docs/BENCHMARKS.md "Fifth run").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
