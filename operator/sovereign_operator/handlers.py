@@ -281,6 +281,9 @@ def _deployment_changed(event_type: str, body: dict[str, Any]) -> None:
         return
     if event_type == "DELETED":
         reconciler.deleted(namespace, name)
+        if reconciles is not None and (body.get("status") or {}).get("model"):
+            # Its sync finds it gone and releases the cache claim it leaves unbound.
+            reconciles.add((namespace, name))
         return
     if reconciles is not None and reconciler.wants(body):
         reconciles.add((namespace, name))

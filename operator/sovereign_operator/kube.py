@@ -28,7 +28,13 @@ from lightkube.types import CascadeType, PatchType
 
 from sovereign_operator.api.crd import GROUP, KIND, PLURAL, VERSION
 from sovereign_operator.cache import ClusterCache, WatchedKind
-from sovereign_operator.modeldownload import JOB_NAME_LABEL, JobView, claim_bound
+from sovereign_operator.modeldownload import (
+    JOB_NAME_LABEL,
+    JobView,
+    claim_bound,
+    unbound_claim_fate,
+    unbound_retained_cache,
+)
 from sovereign_operator.observe import Observed
 from sovereign_operator.render.modelcache import SHARED_COMPONENTS
 from sovereign_operator.startupbudget import GPU_PRODUCT_LABEL
@@ -72,6 +78,16 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 
 def shared_field_manager(owner_uid: str) -> str:
     return f"{FIELD_MANAGER}-{owner_uid}"
+
+
+def shared_appliers(obj: dict[str, Any]) -> set[str]:
+    """The uids of the LLMDeployments whose field managers applied a shared object."""
+    prefix = shared_field_manager("")
+    return {
+        str(entry["manager"]).removeprefix(prefix)
+        for entry in (obj.get("metadata") or {}).get("managedFields") or []
+        if entry.get("operation") == "Apply" and str(entry.get("manager") or "").startswith(prefix)
+    }
 
 
 @functools.cache
@@ -193,17 +209,75 @@ class Kube:
                         kind, meta["name"], ops, namespace=namespace, patch_type=PatchType.JSON
                     )
                 released.append(f"{kind.__name__}/{meta['name']}")
+        return released + await self.release_unbound_claims(namespace, owner_uid, keep)
+
+    async def release_unbound_claims(
+        self, namespace: str, owner_uid: str | None, keep: set[tuple[str, str]]
+    ) -> list[str]:
+        """`Retain` cache claims that never bound, not in `keep`: delete those no other existing
+        LLMDeployment applied, and drop `owner_uid`'s fields from the others. A claim the cluster
+        could not provision (a missing class, an access mode it lacks) would otherwise stay Pending
+        after the spec that named it changed, or its deployment went: it has no owner reference,
+        and holds no download to keep. Who applied it is read from its managed fields (each
+        deployment applies shared objects under its own field manager); owner_uid None: after a
+        deletion, for claims only deleted deployments applied."""
+        candidates = [
+            claim["metadata"]["name"]
+            for claim in await self._shared_objects(PersistentVolumeClaim, namespace)
+            if unbound_retained_cache(claim)
+            and ("PersistentVolumeClaim", claim["metadata"]["name"]) not in keep
+        ]
+        if not candidates:
+            return []
+        live_uids = await self._deployment_uids(namespace)
+        released = []
+        for name in candidates:
+            claim = await self._get_or_none(PersistentVolumeClaim, name, namespace)  # with managedFields
+            if claim is None or not unbound_retained_cache(claim):
+                continue
+            fate = unbound_claim_fate(shared_appliers(claim), owner_uid, live_uids)
+            if fate is None:
+                continue
+            self._write_fence()
+            if fate == "delete":
+                await self._delete_gone_ok(PersistentVolumeClaim, name, namespace)
+            else:
+                assert owner_uid is not None
+                # An apply of nothing under this owner's manager: the fields only it held go,
+                # those the others applied too stay theirs.
+                bare = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name}}
+                await self.client.patch(
+                    PersistentVolumeClaim,
+                    name,
+                    bare,
+                    namespace=namespace,
+                    patch_type=PatchType.APPLY,
+                    field_manager=shared_field_manager(owner_uid),
+                    force=True,
+                )
+            released.append(f"PersistentVolumeClaim/{name}")
         return released
+
+    async def _deployment_uids(self, namespace: str) -> set[str]:
+        cached = self._cached
+        if cached is not None:
+            bodies = [b for b in cached.deployments() if b["metadata"].get("namespace") == namespace]
+        else:
+            bodies = [_as_dict(b) async for b in self.client.list(LLMDeploymentResource, namespace=namespace)]
+        return {str(b["metadata"]["uid"]) for b in bodies if b["metadata"].get("uid")}
+
+    async def _shared_objects(self, kind: Any, namespace: str) -> list[dict[str, Any]]:
+        """The operator's `kind` objects in `namespace` (Jobs, claims)."""
+        cached = self._cached
+        if cached is not None:
+            return cached.shared(namespace, kind.__name__)
+        return [
+            _as_dict(obj) async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels())
+        ]
 
     async def _shared_metadata(self, kind: Any, namespace: str) -> list[dict[str, Any]]:
         """The metadata of the operator's `kind` objects in `namespace` (Jobs, claims)."""
-        cached = self._cached
-        if cached is not None:
-            return [obj["metadata"] for obj in cached.shared(namespace, kind.__name__)]
-        return [
-            _as_dict(obj)["metadata"]
-            async for obj in self.client.list(kind, namespace=namespace, labels=owned_labels())
-        ]
+        return [obj["metadata"] for obj in await self._shared_objects(kind, namespace)]
 
     async def _delete_gone_ok(self, kind: Any, name: str, namespace: str) -> None:
         try:

@@ -19,6 +19,7 @@ from typing import Any
 from sovereign_operator.api.spec import HuggingFaceSource
 from sovereign_operator.api.status import ModelStatus, ServedModel
 from sovereign_operator.render.modelcache import (
+    CACHE_COMPONENT,
     CONTAINER,
     CacheObjects,
     ModelFacts,
@@ -27,7 +28,7 @@ from sovereign_operator.render.modelcache import (
     cache_claim_name,
     source_hash,
 )
-from sovereign_operator.vocabulary import find_condition
+from sovereign_operator.vocabulary import COMPONENT_LABEL, find_condition
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
@@ -133,6 +134,31 @@ def _unschedulable(pod: Mapping[str, Any] | None) -> str | None:
 
 def claim_bound(claim: Mapping[str, Any] | None) -> bool:
     return (((claim or {}).get("status") or {}).get("phase")) == "Bound"
+
+
+def unbound_retained_cache(claim: Mapping[str, Any]) -> bool:
+    """A `Retain` cache claim (no owner references) that never bound: it holds no download, so
+    keeping it keeps nothing. A claim with a volume named is bound or binding; one `Lost` had one."""
+    meta = claim.get("metadata") or {}
+    return (
+        (meta.get("labels") or {}).get(COMPONENT_LABEL) == CACHE_COMPONENT
+        and not meta.get("ownerReferences")
+        and ((claim.get("status") or {}).get("phase") or "Pending") == "Pending"
+        and not (claim.get("spec") or {}).get("volumeName")
+    )
+
+
+def unbound_claim_fate(appliers: set[str], owner_uid: str | None, live_uids: set[str]) -> str | None:
+    """What `owner_uid` (None: nobody in particular, after a deletion) does with an unbound
+    `Retain` cache claim it no longer renders, given the uids of the LLMDeployments that applied it
+    and of those that still exist: "delete" when no other existing one applied it, "release" (drop
+    only its own fields) when others still may use it, None when it is not its to touch (applied
+    by none of ours: someone made it by hand)."""
+    if not appliers:
+        return None
+    if not {uid for uid in appliers if uid in live_uids and uid != owner_uid}:
+        return "delete"
+    return "release" if owner_uid in appliers else None
 
 
 def _event_time(event: Mapping[str, Any]) -> str:

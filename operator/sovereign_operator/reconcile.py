@@ -43,6 +43,9 @@ class KubeApi(Protocol):
     async def release_shared(
         self, namespace: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]: ...
+    async def release_unbound_claims(
+        self, namespace: str, owner_uid: str | None, keep: set[tuple[str, str]]
+    ) -> list[str]: ...
     async def observe_job(
         self, namespace: str, name: str, log_container: str | None, claim: str | None = None
     ) -> JobView: ...
@@ -256,6 +259,8 @@ class Reconciler:
         body = await self.kube.get_deployment(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
+            if body is None:
+                await self._release_after_deletion(namespace, name)
             return None
         if self._ended_here(key, body["metadata"]):
             return None
@@ -271,6 +276,20 @@ class Reconciler:
             return error.delay
         self._retries.pop(key, None)
         return None
+
+    async def _release_after_deletion(self, namespace: str, name: str) -> None:
+        """A deleted deployment's `Retain` cache claim that never bound goes too, unless another
+        deployment applied it (kube.release_unbound_claims); a failure waits for the next
+        reconcile of a huggingFace deployment in the namespace, which sweeps the same claims."""
+        try:
+            released = await self.kube.release_unbound_claims(namespace, None, set())
+        except Exception as error:
+            log.warning(
+                "%s/%s deleted; releasing its unbound cache claims failed: %s", namespace, name, error
+            )
+            return
+        if released:
+            log.info("%s/%s deleted; released %s", namespace, name, ", ".join(released))
 
     async def reconcile(
         self, body: Mapping[str, Any], retry: int = 0, force: bool = False, refresh: bool = True
@@ -371,10 +390,10 @@ class Reconciler:
                 facts = ClusterFacts(await self.kube.advertised_resources())
             except Exception as error:
                 raise self._classify(error, "listing nodes", retry) from error
-        model_facts, model_status, job_missing = None, None, False
+        model_facts, model_status, shared_missing = None, None, False
         if spec.model.source.hugging_face is not None:
             try:
-                model_facts, model_status, job_missing = await self._assess_model(ref, spec, status)
+                model_facts, model_status, shared_missing = await self._assess_model(ref, spec, status)
             except Exception as error:
                 raise self._classify(error, "reading the model download Jobs", retry) from error
         overrides = replica_overrides(status)
@@ -387,9 +406,10 @@ class Reconciler:
         digest = _digest(rendered.children + rendered.shared + [sorted(rendered.keep_shared)])
         children = [with_applied_digest(child) for child in rendered.children]
         previous = self.outcomes.get(key)
-        if job_missing:
-            # A Job this deployment applied is gone (deleted to retry, or its TTL): apply it again.
-            for shared_key in [k for k in self._applied_shared if k[:3] == (ref.namespace, ref.name, "Job")]:
+        if shared_missing:
+            # A Job this deployment applied is gone (deleted to retry, or its TTL), or the claim
+            # its download fills (deleted by hand, or by another deployment's release): apply again.
+            for shared_key in [k for k in self._applied_shared if k[:2] == (ref.namespace, ref.name)]:
                 del self._applied_shared[shared_key]
         elif (
             not force
@@ -485,7 +505,8 @@ class Reconciler:
         self, ref: DeploymentRef, spec: LLMDeploymentSpec, status: Mapping[str, Any] | None
     ) -> tuple[ModelFacts, ModelStatus, bool]:
         """What the huggingFace source's Jobs say: the facts rendering needs, status.model, and
-        whether the Job being watched is missing (never applied, or deleted since)."""
+        whether the Job being watched, or the claim being filled, is missing (never applied, or
+        deleted since)."""
         source = spec.model.source.hugging_face
         assert source is not None
         previous = (status or {}).get("model")
@@ -502,7 +523,11 @@ class Reconciler:
         if assessment.status.reason == "NoResult":
             # Its answer is lost with its pod: delete it so the next apply runs it again.
             await self.kube.delete_job(ref.namespace, objects.watched_job)
-        return assessment.facts, assessment.status, view.job is None
+        return (
+            assessment.facts,
+            assessment.status,
+            view.job is None or (claim is not None and view.claim is None),
+        )
 
     def _classify(self, error: Exception, doing: str, retry: int) -> RetryLater:
         code = api_error_code(error)

@@ -368,6 +368,60 @@ def test_a_cache_claim_of_a_missing_class_degrades_until_it_binds(
         kube.run("delete", "storageclass", missing, "--wait=false", check=False)
 
 
+def test_a_retained_claim_that_never_bound_goes_with_the_last_deployment_that_applied_it(
+    kube: Kubectl, operator: OperatorHandle, namespace: str, storage_class: str
+) -> None:
+    """A `Retain` claim has no owner reference, so one of a class the cluster lacks stayed Pending
+    for ever once the specs that named it moved on or went. It holds no download: it goes once no
+    existing deployment applied it, and stays while another may still use it."""
+    missing = f"sovereign-test-no-class-{secrets.token_hex(3)}"
+    for name in ("a", "b"):
+        kube.apply(llmd(name, hf_spec(missing)), namespace)
+    (resolve,) = wait_for("the shared resolve Job", lambda: jobs(kube, namespace, "model-resolve"))
+    finish(
+        kube,
+        namespace,
+        job_pod(kube, namespace, resolve["metadata"]["name"]),
+        {"event": "resolved", "commit": COMMIT, "bytesTotal": BYTES, "files": 4},
+    )
+    pending = wait_phase(kube, operator, namespace, "a", "Downloading")["cache"]
+    assert wait_phase(kube, operator, namespace, "b", "Downloading")["cache"] == pending
+    uids = {name: get_llmd(kube, namespace, name)["metadata"]["uid"] for name in ("a", "b")}
+
+    def appliers() -> set[str] | None:
+        found = kube.run(
+            "get", "pvc", pending, "-n", namespace, "-o", "json", "--show-managed-fields", check=False
+        )
+        if found.returncode != 0:
+            return None
+        fields = json.loads(found.stdout)["metadata"].get("managedFields") or []
+        return {f["manager"].removeprefix("sovereign-operator-") for f in fields if f["operation"] == "Apply"}
+
+    assert appliers() == set(uids.values())
+    assert kube.get("pvc", pending, "-n", namespace)["status"]["phase"] == "Pending"
+
+    # a moves to a class that binds: a claim of its own; the old one stays for b, without a's fields.
+    kube.apply(llmd("a", hf_spec(storage_class)), namespace)
+
+    def moved() -> str | None:
+        operator.assert_alive()
+        cache = model_status(kube, namespace, "a").get("cache")
+        return cache if cache and cache != pending else None
+
+    wait_for("a's new cache claim", moved, timeout=60)
+    wait_for("a's fields gone from the claim b still names", lambda: appliers() == {uids["b"]}, timeout=60)
+    time.sleep(2)
+    assert appliers() == {uids["b"]}, "the claim b applied must stay"
+
+    # b goes: nothing else applied the old claim, and it never bound.
+    kube.run("delete", "llmd", "b", "-n", namespace)
+    try:
+        wait_for("the unbound claim deleted with its last user", lambda: appliers() is None, timeout=60)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{operator.tail()}") from None
+    assert model_status(kube, namespace, "a").get("cache") != pending
+
+
 def test_a_deleted_namespace_ends_the_download_rounds(
     kube: Kubectl, operator: OperatorHandle, namespace: str, storage_class: str
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +41,8 @@ class FakeKube:
         self.shared_owners: dict[tuple[str, str], set[str]] = {}
         self.shared_applies = 0
         self.released: list[str] = []
+        # release_unbound_claims calls: (namespace, owner uid or None after a deletion).
+        self.unbound_sweeps: list[tuple[str, str | None]] = []
         # Jobs as the apiserver would report them: name -> JobView (a missing name reads as absent).
         self.jobs: dict[str, JobView] = {}
         self.deleted_jobs: list[str] = []
@@ -79,15 +82,25 @@ class FakeKube:
         self.released += released
         return released
 
+    async def release_unbound_claims(
+        self, namespace: str, owner_uid: str | None, keep: set[tuple[str, str]]
+    ) -> list[str]:
+        self.unbound_sweeps.append((namespace, owner_uid))
+        return []
+
     async def observe_job(
         self, namespace: str, name: str, log_container: str | None, claim: str | None = None
     ) -> JobView:
         self.job_claims[name] = claim
-        if name in self.jobs:
-            return self.jobs[name]
-        # An applied Job exists (no pods yet); one never applied, or deleted, does not.
-        applied = ("Job", name) in self.shared
-        return JobView(job={"metadata": {"name": name}, "status": {}} if applied else None)
+        view = self.jobs.get(name)
+        if view is None:
+            # An applied Job exists (no pods yet); one never applied, or deleted, does not.
+            applied = ("Job", name) in self.shared
+            view = JobView(job={"metadata": {"name": name}, "status": {}} if applied else None)
+        if view.claim is None and claim is not None and ("PersistentVolumeClaim", claim) in self.shared:
+            # An applied claim exists; the tests of Pending claims give theirs in the view.
+            view = replace(view, claim={"metadata": {"name": claim}, "status": {"phase": "Bound"}})
+        return view
 
     async def delete_job(self, namespace: str, name: str) -> None:
         self.deleted_jobs.append(name)

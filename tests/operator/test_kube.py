@@ -15,7 +15,8 @@ from aiohttp import web
 from lightkube import AsyncClient
 from operator_fakes import serve_fake_apiserver
 from sovereign_operator.cache import ClusterCache
-from sovereign_operator.kube import Kube
+from sovereign_operator.kube import Kube, shared_appliers
+from sovereign_operator.modeldownload import unbound_claim_fate, unbound_retained_cache
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -68,7 +69,9 @@ async def _with_fake_apiserver(
     scenario: Callable[[Kube, list[dict[str, Any]]], Awaitable[None]],
     pods: list[dict[str, Any]] | None = None,
     cache: ClusterCache | None = None,
+    objects: dict[str, dict[str, Any]] | None = None,
 ) -> None:
+    """`objects`: what a GET of one object's path answers (others: lists answer empty)."""
     requests: list[dict[str, Any]] = []
 
     async def handle(request: web.Request) -> web.Response:
@@ -83,6 +86,8 @@ async def _with_fake_apiserver(
             }
         )
         path = request.path
+        if request.method == "GET" and objects is not None and path in objects:
+            return _json(objects[path])
         if request.method == "PATCH" and request.headers.get("Content-Type", "").startswith(
             "application/apply-patch"
         ):
@@ -381,3 +386,110 @@ def test_a_download_claim_is_read_from_the_cache_and_its_events_only_while_it_is
         assert broken.claim is not None and broken.claim_events == []
 
     asyncio.run(_with_fake_apiserver(scenario, cache=cache))
+
+
+def _cache_claim(name: str, appliers: list[str], **extra: Any) -> dict[str, Any]:
+    """A Pending `Retain` cache claim as a GET answers it: with the managed fields of each applier
+    (LLMDeployment uids; other names are managers of someone else's)."""
+    managers = [
+        {"manager": a if a.startswith("kubectl") else f"sovereign-operator-{a}", "operation": "Apply"}
+        for a in appliers
+    ]
+    managers.append({"manager": "kube-controller-manager", "operation": "Update"})
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "resourceVersion": "7",
+            "labels": {
+                "app.kubernetes.io/managed-by": "sovereign-operator",
+                "app.kubernetes.io/component": "model-cache",
+            },
+            "managedFields": managers,
+        },
+        "spec": {"accessModes": ["ReadWriteMany"]},
+        "status": {"phase": "Pending"},
+    }
+    for key, value in extra.items():
+        claim[key] = {**claim[key], **value}
+    return claim
+
+
+def test_a_retained_cache_claim_that_never_bound_goes_once_no_existing_deployment_applied_it() -> None:
+    """A `Retain` claim keeps a download for later users; one that never bound keeps nothing, so
+    the deployment that stops rendering it deletes it, unless another existing one applied it too
+    (then only its own fields go). Bound, binding, owned, kept and hand-made claims stay."""
+    claims = {
+        "c-mine": _cache_claim("c-mine", ["u1"]),
+        "c-shared": _cache_claim("c-shared", ["u1", "u2"]),
+        "c-theirs": _cache_claim("c-theirs", ["u2"]),
+        "c-abandoned": _cache_claim("c-abandoned", ["u9"]),  # u9 was deleted
+        "c-bound": _cache_claim("c-bound", ["u1"], status={"phase": "Bound"}),
+        "c-binding": _cache_claim("c-binding", ["u1"], spec={"volumeName": "pv-1"}),
+        "c-kept": _cache_claim("c-kept", ["u1"]),
+        "c-by-hand": _cache_claim("c-by-hand", ["kubectl-client-side-apply"]),
+        "c-delete": _cache_claim(
+            "c-delete", ["u1"], metadata={"ownerReferences": [{"uid": "u2", "kind": "LLMDeployment"}]}
+        ),
+    }
+    cache = _synced_cache()
+    for claim in claims.values():
+        cache.put(claim)
+    for name, uid in (("a", "u1"), ("b", "u2")):
+        cache.put(
+            {
+                "apiVersion": "sovereign.ai/v1alpha1",
+                "kind": "LLMDeployment",
+                "metadata": {"name": name, "namespace": "ns", "uid": uid, "resourceVersion": "9"},
+            }
+        )
+    paths = {f"/api/v1/namespaces/ns/persistentvolumeclaims/{n}": c for n, c in claims.items()}
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        released = await kube.release_shared("ns", "u1", {("PersistentVolumeClaim", "c-kept")})
+        assert sorted(released) == [
+            "PersistentVolumeClaim/c-abandoned",
+            "PersistentVolumeClaim/c-mine",
+            "PersistentVolumeClaim/c-shared",
+        ]
+        writes = [r for r in requests if r["method"] != "GET"]
+        deleted = sorted(r["path"].rsplit("/", 1)[-1] for r in writes if r["method"] == "DELETE")
+        assert deleted == ["c-abandoned", "c-mine"]
+        (release,) = [r for r in writes if r["method"] == "PATCH"]
+        assert release["path"].endswith("/persistentvolumeclaims/c-shared")
+        assert release["content_type"].startswith("application/apply-patch")
+        assert release["query"]["fieldManager"] == "sovereign-operator-u1"
+        assert json.loads(release["body"]) == {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "c-shared"},
+        }
+        # Only the candidates are read whole (the cache has no managed fields).
+        read = sorted(r["path"].rsplit("/", 1)[-1] for r in requests if r["method"] == "GET")
+        assert read == ["c-abandoned", "c-by-hand", "c-mine", "c-shared", "c-theirs"]
+        # After a deletion (no owner): only the claims no existing deployment applied.
+        requests.clear()
+        cache.remove("PersistentVolumeClaim", "ns", "c-abandoned")
+        cache.remove("PersistentVolumeClaim", "ns", "c-mine")
+        assert await kube.release_unbound_claims("ns", None, set()) == []
+        read = sorted(r["path"].rsplit("/", 1)[-1] for r in requests if r["method"] == "GET")
+        assert read == ["c-by-hand", "c-kept", "c-shared", "c-theirs"]  # each applied by u1 or u2, or by hand
+        assert all(r["method"] == "GET" for r in requests)
+
+    asyncio.run(_with_fake_apiserver(scenario, cache=cache, objects=paths))
+
+
+def test_the_fate_of_an_unbound_retained_claim() -> None:
+    live = {"u1", "u2"}
+    assert unbound_claim_fate({"u1"}, "u1", live) == "delete"
+    assert unbound_claim_fate({"u1", "u9"}, "u1", live) == "delete"  # u9 is gone
+    assert unbound_claim_fate({"u1", "u2"}, "u1", live) == "release"
+    assert unbound_claim_fate({"u2"}, "u1", live) is None
+    assert unbound_claim_fate({"u9"}, None, live) == "delete"
+    assert unbound_claim_fate({"u2"}, None, live) is None
+    assert unbound_claim_fate(set(), "u1", live) is None
+    claim = _cache_claim("c", ["u1"])
+    assert shared_appliers(claim) == {"u1"} and unbound_retained_cache(claim)
+    assert not unbound_retained_cache({**claim, "status": {"phase": "Lost"}})

@@ -673,3 +673,42 @@ def test_a_deleted_job_is_applied_again_and_a_missing_secret_is_named() -> None:
         assert 'secret "hf-token" not found' in degraded["message"]
 
     asyncio.run(scenario())
+
+
+def test_a_deleted_cache_claim_is_applied_again_while_its_download_runs() -> None:
+    """Deleted by hand, or by another deployment's release of an unbound claim it shared: the
+    download's pod would wait for it for ever."""
+    kube = FakeKube(body_for(HF_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        kube.jobs[_name(kube, "Job")] = _resolved_view()
+        await reconciler.reconcile(kube.body)
+        claim = _name(kube, "PersistentVolumeClaim")
+        applies = kube.shared_applies
+        await reconciler.reconcile(kube.body)
+        assert kube.shared_applies == applies  # all in place: nothing applied again
+        del kube.shared[("PersistentVolumeClaim", claim)]
+        await reconciler.reconcile(kube.body)
+        assert ("PersistentVolumeClaim", claim) in kube.shared
+        assert kube.body["status"]["model"]["cache"] == claim
+
+    asyncio.run(scenario())
+
+
+def test_a_deleted_deployments_sync_releases_the_claims_it_left_unbound() -> None:
+    kube = FakeKube(body_for(HF_SPEC))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def gone(namespace: str, name: str) -> None:
+        return None
+
+    async def scenario() -> None:
+        await reconciler.sync("ns", "llm")
+        assert kube.unbound_sweeps == []  # a live deployment's sweep is part of its reconcile
+        kube.get_deployment = gone  # type: ignore[method-assign]
+        await reconciler.sync("ns", "llm")
+        assert kube.unbound_sweeps == [("ns", None)]
+
+    asyncio.run(scenario())
