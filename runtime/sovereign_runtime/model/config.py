@@ -40,6 +40,10 @@ class RopeConfig:
     truncate: bool = True
 
 
+ROUTER_SCORING_FUNCS = ("sigmoid", "softmax")
+ROUTER_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -67,6 +71,9 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     num_nextn_predict_layers: int = 0
+    # How the router picks experts (ROUTER_TOPK_METHODS): V3's "noaux_tc", V2's "greedy" and
+    # "group_limited_greedy".
+    topk_method: str = "noaux_tc"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
@@ -114,6 +121,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         heads = int(cfg["num_attention_heads"])
+        # DeepSeek-V2's config.json (and transformers' DeepseekV2Config) may leave out the softmax
+        # router V2 always has; V3's defaults are the sigmoid, bias-corrected one.
+        v2 = cfg.get("model_type") == "deepseek_v2"
+        scoring_func = str(cfg.get("scoring_func") or ("softmax" if v2 else "sigmoid"))
+        if scoring_func not in ROUTER_SCORING_FUNCS:
+            raise ValueError(
+                f"config.json scoring_func {scoring_func!r} is not supported (valid: {', '.join(ROUTER_SCORING_FUNCS)})"
+            )
+        topk_method = str(cfg.get("topk_method") or ("greedy" if v2 else "noaux_tc"))
+        if topk_method not in ROUTER_TOPK_METHODS:
+            raise ValueError(
+                f"config.json topk_method {topk_method!r} is not supported (valid: {', '.join(ROUTER_TOPK_METHODS)})"
+            )
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         eos = cfg.get("eos_token_id")
         return cls(
@@ -137,7 +157,8 @@ class ModelConfig:
             moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            scoring_func=str(cfg.get("scoring_func") or "sigmoid"),
+            scoring_func=scoring_func,
+            topk_method=topk_method,
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
             rope=_rope_from_dict(cfg),

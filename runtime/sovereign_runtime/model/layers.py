@@ -132,20 +132,25 @@ def grouped_topk(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     mask_value: float = float("-inf"),
+    method: str = "noaux_tc",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 (noaux_tc) expert selection from router scores [tokens, experts].
+    """DeepSeek's expert selection from router scores [tokens, experts].
 
-    Selection uses ``scores + bias``; a group scores the sum of its two best biased experts; only the
-    best ``topk_group`` groups stay eligible and the others are masked with ``mask_value`` (−inf: biased
-    scores can be negative, so masking with 0 would let masked experts win). The weights are the unbiased
-    scores of the chosen experts, optionally renormalised, times ``routed_scaling_factor``.
-    Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k]).
+    ``method`` "noaux_tc" (V3): selection uses ``scores + bias``; a group scores the sum of its two
+    best biased experts; only the best ``topk_group`` groups stay eligible and the others are masked
+    with ``mask_value`` (−inf: biased scores can be negative, so masking with 0 would let masked
+    experts win). "group_limited_greedy" (V2): a group scores its best expert. "greedy" (V2-Lite):
+    no groups. The weights are the unbiased scores of the chosen experts, optionally renormalised,
+    times ``routed_scaling_factor``. Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k]).
     """
     tokens, experts = scores.shape
     choice = scores if correction_bias is None else scores + correction_bias
-    if n_group > 1:
+    if n_group > 1 and method != "greedy":
         grouped = choice.view(tokens, n_group, experts // n_group)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        if method == "group_limited_greedy":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
         keep = group_scores.topk(topk_group, dim=-1).indices
         dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
         choice = grouped.masked_fill(dropped[:, :, None], mask_value).view(tokens, experts)
@@ -183,6 +188,7 @@ class Router(nn.Module):
             c.topk_group,
             c.norm_topk_prob,
             c.routed_scaling_factor,
+            method=c.topk_method,
         )
 
 

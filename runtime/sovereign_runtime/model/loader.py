@@ -117,6 +117,11 @@ def load_model(
     if config.tie_word_embeddings and "lm_head.weight" in expected and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
+    if config.scoring_func != "sigmoid":
+        # V2's softmax router has no correction bias: ours stays zero, and is not read.
+        for name in [n for n in missing if n.endswith(".gate.e_score_correction_bias")]:
+            state[name] = torch.zeros(expected[name].shape, dtype=torch.float32, device=device)
+        missing = sorted(set(expected) - set(state))
     unavailable = None
     if (
         missing
