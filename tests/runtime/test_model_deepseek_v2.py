@@ -142,3 +142,18 @@ def test_router_defaults_follow_the_model_type_and_unknown_ones_are_refused() ->
         match=r"topk_method 'aux' is not supported \(valid: noaux_tc, greedy, group_limited_greedy\)",
     ):
         ModelConfig.from_dict(_raw(topk_method="aux"))
+
+
+def test_a_config_of_another_architecture_is_refused_saying_what_it_lacks() -> None:
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_raw()}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        del llama[key]
+    with pytest.raises(
+        ValueError,
+        match=r"model_type 'llama', .*LlamaForCausalLM.* is not a DeepSeek-V3 or DeepSeek-V2"
+        r" architecture checkpoint \(Multi-head Latent Attention\): it lacks kv_lora_rank,"
+        r" qk_nope_head_dim, qk_rope_head_dim, v_head_dim",
+    ):
+        ModelConfig.from_dict(llama)
+    with pytest.raises(ValueError, match=r"DeepSeek-V3\.2's sparse attention"):
+        ModelConfig.from_dict(_raw(model_type="deepseek_v32", index_topk=2048))

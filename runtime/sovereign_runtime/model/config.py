@@ -120,6 +120,7 @@ class ModelConfig:
     # Construction ------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        _check_architecture(cfg)
         heads = int(cfg["num_attention_heads"])
         # DeepSeek-V2's config.json (and transformers' DeepseekV2Config) may leave out the softmax
         # router V2 always has; V3's defaults are the sigmoid, bias-corrected one.
@@ -175,6 +176,37 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+# What every DeepSeek-V2/V3 config.json names: MLA's latent and head dims among them.
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+
+
+def _check_architecture(cfg: dict[str, Any]) -> None:
+    """Refuse, saying why, a config.json this runtime would not run as its model was trained."""
+    kind = f"model_type {cfg.get('model_type')!r}, architectures {cfg.get('architectures')}"
+    missing = [key for key in REQUIRED_KEYS if cfg.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"config.json ({kind}) is not a DeepSeek-V3 or DeepSeek-V2 architecture checkpoint (Multi-head"
+            f" Latent Attention): it lacks {', '.join(missing)}"
+        )
+    if cfg.get("model_type") == "deepseek_v32" or cfg.get("index_topk") is not None:
+        raise ValueError(
+            f"config.json ({kind}) uses DeepSeek-V3.2's sparse attention (its lightning indexer,"
+            " index_topk), which this runtime does not implement; dense attention would not be the"
+            " model it was trained as"
+        )
 
 
 def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
