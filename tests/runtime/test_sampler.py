@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from sovereign_runtime.engine.sampler import Sampler, make_generator
+from sovereign_runtime.engine.sampler import Sampler, apply_penalties, make_generator
 from sovereign_runtime.engine.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -43,6 +43,10 @@ torch.set_num_threads(1)
         ({"logit_bias": {"3": 100.5}}, "logit_bias"),
         ({"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
         ({"logit_bias": {"3": 1, 3: 2}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
     ],
 )
 def test_invalid_params_name_the_parameter_and_range(kwargs: dict, name: str) -> None:
@@ -210,3 +214,33 @@ def test_logprobs_are_of_the_biased_distribution() -> None:
     assert out.token_ids == [3]
     assert math.isclose(out.logprobs[0], ref[0, 3].item(), rel_tol=1e-6, abs_tol=1e-6)
     assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(2).indices.tolist()
+
+
+def test_penalties_lower_each_output_token_once_for_presence_and_per_occurrence_for_frequency() -> None:
+    logits = torch.zeros(3, 8)
+    params = [
+        SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, logprobs=0),
+        SamplingParams(temperature=0, logprobs=0),  # not penalized: its output is not read
+        SamplingParams(temperature=0, presence_penalty=-1.0, logprobs=0),  # negative: encourages
+    ]
+    outputs = [[3, 3, 5], [0, 0, 0], [7]]
+    penalized = apply_penalties(logits, params, outputs)
+    assert penalized[0].tolist() == [0, 0, 0, -1.0, 0, -0.75, 0, 0]
+    assert penalized[1].tolist() == [0.0] * 8
+    assert penalized[2].tolist() == [0, 0, 0, 0, 0, 0, 0, 1.0]
+    assert logits.abs().sum() == 0  # the model's logits are left alone
+    assert apply_penalties(logits, [SamplingParams()] * 3, outputs) is logits  # nobody penalized: no copy
+
+    # Through the sampler: greedy moves off the repeated token; logprobs are of the penalized rows.
+    scores = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0]])
+    rows = [SamplingParams(temperature=0, frequency_penalty=0.2, logprobs=0), SamplingParams(temperature=0)]
+    out = Sampler()(scores, rows, [None, None], outputs=[[0], [0]])
+    assert out.token_ids == [1, 0]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(torch.tensor([1.8, 1.9, 0.0]), -1)[1].item())
+
+
+def test_penalties_survive_the_pd_json_round_trip() -> None:
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25)
+    again = SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))).for_first_token()
+    assert (again.presence_penalty, again.frequency_penalty) == (0.5, -0.25) and again.penalized
+    assert not SamplingParams().penalized

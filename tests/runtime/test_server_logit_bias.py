@@ -100,3 +100,24 @@ def test_a_token_id_past_the_vocabulary_is_a_400(server: LiveServer) -> None:
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "logit_bias": {str(VOCAB): 5}}
     status, answer = server.request("POST", "/v1/completions", body)
     assert status == 400 and answer["error"]["param"] == "logit_bias", answer
+
+
+def test_presence_and_frequency_penalties_change_the_reply_and_are_bounded(server: LiveServer) -> None:
+    tokenizer = _tokenizer(server)
+    bias = _alphanumeric_only(tokenizer)
+    plain = _complete(server, logit_bias=bias, max_tokens=24)["text"]
+    penalized = _complete(server, logit_bias=bias, max_tokens=24, presence_penalty=2, frequency_penalty=2)[
+        "text"
+    ]
+    assert penalized != plain
+    # A repeat costs at least 4 in the logits: fewer repeats than the unpenalized reply.
+    assert len(penalized) - len(set(penalized)) < len(plain) - len(set(plain))
+    body = {"model": MODEL, "max_tokens": 2}
+    for path, extra in (
+        ("/v1/completions", {"prompt": "Hello", "presence_penalty": 2.5}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "frequency_penalty": -3}),
+    ):
+        status, answer = server.request("POST", path, {**body, **extra})
+        name = next(k for k in extra if k.endswith("penalty"))
+        assert status == 400 and answer["error"]["param"] == name, answer
+        assert "must be in [-2, 2]" in answer["error"]["message"]

@@ -270,6 +270,29 @@ def test_grammar_requests_are_never_drafted(builtin: tuple[torch.nn.Module, list
     assert eng.drafter is not None and eng.drafter.draft_budget(seq, 10_000) == 0
 
 
+def test_penalized_requests_are_never_drafted_and_decode_as_without_speculation(
+    tiny_checkpoint: Path,
+) -> None:
+    """Each verify position's penalties would depend on the drafts before it: such a request decodes
+    one token a step, and its output is the plain engine's. (The tiny random model: the built-in
+    one is too sure of its arithmetic for a penalty of 2 to change a token.)"""
+    model, _ = load_model(tiny_checkpoint)
+    prompts = [[5, 9, 2, 7, 7, 3], [11, 4, 4, 8], [2, 3]]
+    penalized = SamplingParams(
+        temperature=0.0, max_tokens=24, presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True
+    )
+    eng = engine(model, 2)
+    assert (
+        eng.drafter is not None
+        and eng.drafter.draft_budget(eng.make_sequence(prompts[0], penalized), 10_000) == 0
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batch = [penalized, plain, penalized]
+    with_drafts = run_checked(engine(model, 2), prompts, batch)
+    assert with_drafts == run_checked(engine(model, None), prompts, batch)
+    assert with_drafts[0] != run_checked(engine(model, None), prompts[:1], [plain])[0]  # the penalty acts
+
+
 # ---- checkpoints with and without MTP tensors --------------------------------------------------------
 
 

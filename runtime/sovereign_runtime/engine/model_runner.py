@@ -120,7 +120,11 @@ class ModelRunner:
         sampled = [s for i, s in enumerate(batch.seqs) for _ in range(batch.logit_rows(i))]
         matchers = [s.grammar for s in sampled]
         grammars = (self.grammars, matchers) if self.grammars is not None and any(matchers) else None
-        return self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled], grammars)
+        params = [s.params for s in sampled]
+        # Penalties count each row's output so far (a penalized sequence is never drafted: one row).
+        outputs = [s.output_token_ids if p.penalized else [] for s, p in zip(sampled, params, strict=True)]
+        penalties = outputs if any(outputs) else None
+        return self.sampler(logits, params, [s.generator for s in sampled], grammars, penalties)
 
 
 def paged_metadata(

@@ -1,7 +1,9 @@
-"""Batched token sampling: logit bias, greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, per-request
+seeds, logprobs.
 
-A request's ``logit_bias`` is added to its row's logits first, so every later step (greedy argmax,
-temperature, filters, logprobs) sees the biased distribution, as OpenAI's API does. Rows without a bias
+A request's ``logit_bias`` is added to its row's logits first, then its presence and frequency
+penalties are taken off the tokens its output already holds, so every later step (greedy argmax,
+temperature, filters, logprobs) sees that distribution, as OpenAI's API does. Rows without either
 cost nothing; a batch with any costs one scatter into a copy of the logits.
 
 One call handles a whole batch with tensor ops; the only per-row Python work is drawing the noise for
@@ -16,6 +18,7 @@ for by then) and a row whose sum is not finite comes back as token ``NONFINITE``
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +58,12 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         grammars: tuple[Grammars, list[Any | None]] | None = None,
+        outputs: list[list[int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (float32 ``[rows, vocab]``). ``grammars``: the
-        engine's compiled grammars and each row's matcher (None: unconstrained), for ``json_schema``."""
+        engine's compiled grammars and each row's matcher (None: unconstrained), for ``json_schema``.
+        ``outputs``: each row's output tokens so far, which its penalties count (read only for rows
+        whose params are ``penalized``)."""
         rows = logits.shape[0]
         assert len(params) == rows == len(generators)
         # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; finite logits of
@@ -69,6 +75,8 @@ class Sampler:
         if grammars is not None:
             grammars[0].apply_masks(logits, grammars[1])
         logits = apply_logit_bias(logits, params)
+        if outputs is not None:
+            logits = apply_penalties(logits, params, outputs)
         greedy = [p.temperature == 0.0 for p in params]
         chosen = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, params, generators, greedy)
         token_ids = chosen.tolist()
@@ -141,6 +149,33 @@ class Sampler:
         """
         if generator is not None and not params.greedy:
             _draw_noise(torch.empty(vocab_size, dtype=torch.float32, device=generator.device), generator)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]
+) -> torch.Tensor:
+    """``logits`` with each penalized row's output tokens lowered by ``presence_penalty`` once and
+    ``frequency_penalty`` per occurrence (a new tensor; the same one when no row is penalized)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if not p.penalized or not outputs[i]:
+            continue
+        counts = Counter(outputs[i])
+        rows.extend([i] * len(counts))
+        cols.extend(counts.keys())
+        values.extend(-(p.presence_penalty + p.frequency_penalty * n) for n in counts.values())
+    if not rows:
+        return logits
+    device = logits.device
+    penalized = logits.clone()
+    penalized.index_put_(
+        (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+        torch.tensor(values, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )
+    return penalized
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

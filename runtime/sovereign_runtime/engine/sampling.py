@@ -23,6 +23,7 @@ SEED_LIMIT = 2**63
 # OpenAI's own bounds for logit_bias: at most 300 tokens, each biased by a number in [-100, 100].
 MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0  # OpenAI's bound for presence_penalty and frequency_penalty
 MAX_TOKEN_ID_DIGITS = 18  # far past any vocabulary; keeps int() of a hostile key cheap
 
 
@@ -53,6 +54,11 @@ class SamplingParams:
     # 0: off (engine/repetition.py).
     repetition_window: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # OpenAI's penalties, each in [-2, 2]: every token already in the output has its logit lowered by
+    # presence_penalty once and by frequency_penalty per time it occurs (after logit_bias, before
+    # temperature and the filters). 0: off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # A JSON Schema (JSON text) the output must match, enforced token by token (engine/grammar.py);
     # the server sets it from ``response_format``. None: unconstrained.
     json_schema: str | None = None
@@ -94,6 +100,11 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check_window(self.repetition_window)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value, float)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         if self.json_schema is not None:
             self.json_schema = check_schema(self.json_schema)
@@ -110,6 +121,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the output so far changes the next token's logits (never drafted: each position
+        of a verify would need the drafts before it counted)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def for_first_token(self) -> SamplingParams:
         """The parameters a remote prefill samples with: this request's first token, exactly as a unified

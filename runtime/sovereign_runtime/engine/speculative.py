@@ -24,7 +24,8 @@ positions go back to the pool at once (``Scheduler.update_tokens``).
 Adaptive: above ``max_batch_size`` running sequences decode is compute-bound and drafting costs more than
 it returns; the engine then decodes one token per step and skips the MTP layer, and drafts again once the
 batch is back at or below the threshold. Requests with a ``json_schema`` are never drafted (their grammar
-masks each position from the one before).
+masks each position from the one before), nor are those with presence or frequency penalties (each
+position's logits depend on the tokens before it).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class MTPDrafter:
 
     def draft_budget(self, seq: Sequence, max_model_len: int) -> int:
         """Draft tokens worth proposing for ``seq`` now: none past ``max_tokens`` or the context."""
-        if seq.grammar is not None or not seq.is_running:
+        if seq.grammar is not None or seq.params.penalized or not seq.is_running:
             return 0
         left = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(self.config.num_draft_tokens, left, max_model_len - seq.num_tokens))

@@ -70,6 +70,8 @@ class SamplingRequest:
     min_tokens: int = 0
     repetition_window: int | None = None  # None: the server's --repetition-window
     logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
+    presence_penalty: float = 0.0  # SamplingParams checks the range
+    frequency_penalty: float = 0.0
     json_schema: str | None = None  # from response_format; SamplingParams checks it, the engine compiles it
     # Seconds the request may take from arrival to its last token (a Sovereign extension; the
     # server's --request-timeout caps it); None: the server's limit, if any.
@@ -208,9 +210,8 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
                 "invalid_type",
             )
         s.logit_bias = logit_bias
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get_number(body, name, 0.0) != 0.0:
-            raise _bad(name, f"'{name}' is not supported; send 0 or leave it out", "unsupported_value")
+    s.presence_penalty = _get_number(body, "presence_penalty", 0.0)
+    s.frequency_penalty = _get_number(body, "frequency_penalty", 0.0)
     return s
 
 
@@ -428,6 +429,8 @@ def sampling_params(
                 repetition_window if sampling.repetition_window is None else sampling.repetition_window
             ),
             logit_bias=sampling.logit_bias,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
             json_schema=sampling.json_schema,
         )
         params.check_vocab(vocab_size)
