@@ -162,14 +162,16 @@ def test_logit_bias_per_sequence_in_one_batch_and_vocab_bound() -> None:
         eng.make_sequence(a, SamplingParams(logit_bias={eng.vocab_size: 1}))
 
 
-def _penalized_reference(
-    model: ToyPagedModel, prompt: list[int], n: int, presence: float, frequency: float
-) -> list[int]:
+def _penalized_reference(model: ToyPagedModel, prompt: list[int], n: int, sp: SamplingParams) -> list[int]:
     out: list[int] = []
     for _ in range(n):
         logits = model.reference_logits(prompt + out)[-1].clone()
+        for token in set(prompt + out):
+            value = float(logits[token])
+            r = sp.repetition_penalty
+            logits[token] = value / r if value > 0 else value * r
         for token in set(out):
-            logits[token] -= presence + frequency * out.count(token)
+            logits[token] -= sp.presence_penalty + sp.frequency_penalty * out.count(token)
         out.append(int(logits.argmax()))
     return out
 
@@ -180,12 +182,13 @@ def test_penalties_count_each_sequences_own_output_in_a_batch(kw: dict) -> None:
     sequence's tokens are the greedy choice after its own output so far is penalized."""
     model = ToyPagedModel()
     eng = _engine(model, **kw)
-    prompts = _prompts(4, seed=5, shared=6)
+    prompts = _prompts(5, seed=5, shared=6)
     params = [
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=2.0),
         GREEDY,
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.5),
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=-2.0),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.8),
     ]
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     got: dict[str, list[int]] = {rid: [] for rid in rids}
@@ -194,10 +197,11 @@ def test_penalties_count_each_sequences_own_output_in_a_batch(kw: dict) -> None:
             got[out.request_id] += out.new_token_ids
     eng.scheduler.check()
     for rid, prompt, sp in zip(rids, prompts, params, strict=True):
-        want = _penalized_reference(model, prompt, sp.max_tokens, sp.presence_penalty, sp.frequency_penalty)
+        want = _penalized_reference(model, prompt, sp.max_tokens, sp)
         assert got[rid] == want
     # The penalties changed something (else this test could not fail).
     assert got[rids[0]] != model.reference_greedy(prompts[0], 10, eos=None)
+    assert got[rids[4]] != model.reference_greedy(prompts[4], 10, eos=None)
 
 
 def test_scratch_buffers_are_reused_per_thread_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,10 @@ torch.set_num_threads(1)
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"frequency_penalty": math.nan}, "frequency_penalty"),
         ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
     ],
 )
 def test_invalid_params_name_the_parameter_and_range(kwargs: dict, name: str) -> None:
@@ -224,17 +228,18 @@ def test_penalties_lower_each_output_token_once_for_presence_and_per_occurrence_
         SamplingParams(temperature=0, presence_penalty=-1.0, logprobs=0),  # negative: encourages
     ]
     outputs = [[3, 3, 5], [0, 0, 0], [7]]
-    penalized = apply_penalties(logits, params, outputs)
+    history = [(out, 0) for out in outputs]
+    penalized = apply_penalties(logits, params, history)
     assert penalized[0].tolist() == [0, 0, 0, -1.0, 0, -0.75, 0, 0]
     assert penalized[1].tolist() == [0.0] * 8
     assert penalized[2].tolist() == [0, 0, 0, 0, 0, 0, 0, 1.0]
     assert logits.abs().sum() == 0  # the model's logits are left alone
-    assert apply_penalties(logits, [SamplingParams()] * 3, outputs) is logits  # nobody penalized: no copy
+    assert apply_penalties(logits, [SamplingParams()] * 3, history) is logits  # nobody penalized: no copy
 
     # Through the sampler: greedy moves off the repeated token; logprobs are of the penalized rows.
     scores = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0]])
     rows = [SamplingParams(temperature=0, frequency_penalty=0.2, logprobs=0), SamplingParams(temperature=0)]
-    out = Sampler()(scores, rows, [None, None], outputs=[[0], [0]])
+    out = Sampler()(scores, rows, [None, None], history=[([0], 0), ([0], 0)])
     assert out.token_ids == [1, 0]
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(torch.tensor([1.8, 1.9, 0.0]), -1)[1].item())
 
@@ -244,3 +249,22 @@ def test_penalties_survive_the_pd_json_round_trip() -> None:
     again = SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))).for_first_token()
     assert (again.presence_penalty, again.frequency_penalty) == (0.5, -0.25) and again.penalized
     assert not SamplingParams().penalized
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output() -> None:
+    logits = torch.tensor([[2.0, -1.0, 4.0, 3.0, -2.0]])
+    # Tokens 0 and 1 are the prompt, 2 the output; 3 and 4 were never seen.
+    p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5)
+    penalized = apply_penalties(logits, [p], [([0, 1, 2], 2)])
+    # Repetition first (over prompt and output), then presence (over the output only).
+    assert penalized[0].tolist() == [1.0, -2.0, 1.5, 3.0, -2.0]
+
+
+def test_min_p_drops_tokens_less_likely_than_its_share_of_the_best() -> None:
+    # Probabilities about 0.64, 0.24, 0.09, 0.03: min_p 0.2 keeps the first two (0.24 >= 0.128).
+    logits = torch.log(torch.tensor([[0.64, 0.24, 0.09, 0.03]])).repeat(200, 1)
+    params = [SamplingParams(temperature=1.0, min_p=0.2)] * 200
+    out = Sampler()(logits, params, [make_generator(i) for i in range(200)])
+    assert set(out.token_ids) == {0, 1}
+    free = Sampler()(logits, [SamplingParams(temperature=1.0)] * 200, [make_generator(i) for i in range(200)])
+    assert set(free.token_ids) - {0, 1}  # without it the tail is drawn too

@@ -121,3 +121,32 @@ def test_presence_and_frequency_penalties_change_the_reply_and_are_bounded(serve
         name = next(k for k in extra if k.endswith("penalty"))
         assert status == 400 and answer["error"]["param"] == name, answer
         assert "must be in [-2, 2]" in answer["error"]["message"]
+
+
+def test_repetition_penalty_and_min_p_are_taken_and_vllm_extras_we_lack_are_refused_by_name(
+    server: LiveServer,
+) -> None:
+    tokenizer = _tokenizer(server)
+    bias = _alphanumeric_only(tokenizer)
+    plain = _complete(server, logit_bias=bias, max_tokens=24)["text"]
+    assert _complete(server, logit_bias=bias, max_tokens=24, repetition_penalty=2.0)["text"] != plain
+    # min_p 1 keeps only the most likely token: sampling at any temperature is then greedy.
+    sampled = _complete(server, logit_bias=bias, max_tokens=24, temperature=1.5, min_p=1.0, seed=3)["text"]
+    assert sampled == plain
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    # Their "off" values are fine (vLLM clients send them).
+    defaults = {"use_beam_search": False, "skip_special_tokens": True, "length_penalty": 1.0, "bad_words": []}
+    status, answer = server.request("POST", "/v1/completions", {**body, **defaults})
+    assert status == 200, answer
+    for name, value in (
+        ("use_beam_search", True),
+        ("guided_json", {"type": "object"}),
+        ("skip_special_tokens", False),
+        ("prompt_logprobs", 1),
+        ("bad_words", ["x"]),
+    ):
+        status, answer = server.request("POST", "/v1/completions", {**body, name: value})
+        assert status == 400 and answer["error"]["param"] == name, answer
+        assert answer["error"]["code"] == "unsupported_value"
+    status, answer = server.request("POST", "/v1/completions", {**body, "repetition_penalty": 0})
+    assert status == 400 and answer["error"]["param"] == "repetition_penalty", answer

@@ -121,10 +121,11 @@ class ModelRunner:
         matchers = [s.grammar for s in sampled]
         grammars = (self.grammars, matchers) if self.grammars is not None and any(matchers) else None
         params = [s.params for s in sampled]
-        # Penalties count each row's output so far (a penalized sequence is never drafted: one row).
-        outputs = [s.output_token_ids if p.penalized else [] for s, p in zip(sampled, params, strict=True)]
-        penalties = outputs if any(outputs) else None
-        return self.sampler(logits, params, [s.generator for s in sampled], grammars, penalties)
+        # Penalties count each row's tokens so far (a penalized sequence is never drafted: one row).
+        history = None
+        if any(p.penalized for p in params):
+            history = [(s.token_ids, s.num_prompt_tokens) for s in sampled]
+        return self.sampler(logits, params, [s.generator for s in sampled], grammars, history)
 
 
 def paged_metadata(

@@ -1,10 +1,10 @@
-"""Batched token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, per-request
-seeds, logprobs.
+"""Batched token sampling: logit bias, penalties, greedy, temperature, min-p, top-k, top-p,
+per-request seeds, logprobs.
 
-A request's ``logit_bias`` is added to its row's logits first, then its presence and frequency
-penalties are taken off the tokens its output already holds, so every later step (greedy argmax,
-temperature, filters, logprobs) sees that distribution, as OpenAI's API does. Rows without either
-cost nothing; a batch with any costs one scatter into a copy of the logits.
+A request's ``logit_bias`` is added to its row's logits first, then its repetition, presence and
+frequency penalties are applied to the tokens it already holds, so every later step (greedy argmax,
+temperature, filters, logprobs) sees that distribution, as OpenAI's API does. Rows without any of
+them cost nothing; a batch with some costs a scatter or two into a copy of the logits.
 
 One call handles a whole batch with tensor ops; the only per-row Python work is drawing the noise for
 seeded requests from their own ``torch.Generator`` (that is what makes a seeded request reproducible
@@ -58,12 +58,12 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         grammars: tuple[Grammars, list[Any | None]] | None = None,
-        outputs: list[list[int]] | None = None,
+        history: list[tuple[list[int], int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (float32 ``[rows, vocab]``). ``grammars``: the
         engine's compiled grammars and each row's matcher (None: unconstrained), for ``json_schema``.
-        ``outputs``: each row's output tokens so far, which its penalties count (read only for rows
-        whose params are ``penalized``)."""
+        ``history``: each row's tokens so far and how many of them are the prompt, which its
+        penalties count (read only for rows whose params are ``penalized``)."""
         rows = logits.shape[0]
         assert len(params) == rows == len(generators)
         # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; finite logits of
@@ -75,8 +75,8 @@ class Sampler:
         if grammars is not None:
             grammars[0].apply_masks(logits, grammars[1])
         logits = apply_logit_bias(logits, params)
-        if outputs is not None:
-            logits = apply_penalties(logits, params, outputs)
+        if history is not None:
+            logits = apply_penalties(logits, params, history)
         greedy = [p.temperature == 0.0 for p in params]
         chosen = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, params, generators, greedy)
         token_ids = chosen.tolist()
@@ -113,6 +113,12 @@ class Sampler:
         device = logits.device
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         scaled = logits.float() / temps.view(-1, 1)
+        min_ps = [p.min_p for p in params]
+        if any(min_ps):
+            # min-p: relative to each row's most likely token after temperature (vLLM's order).
+            probs = torch.softmax(scaled, dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, device=device).view(-1, 1)
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
         top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         top_ps = [p.top_p for p in params]
         filtered = any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps)
@@ -152,29 +158,47 @@ class Sampler:
 
 
 def apply_penalties(
-    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]
+    logits: torch.Tensor, params: list[SamplingParams], history: list[tuple[list[int], int]]
 ) -> torch.Tensor:
-    """``logits`` with each penalized row's output tokens lowered by ``presence_penalty`` once and
-    ``frequency_penalty`` per occurrence (a new tensor; the same one when no row is penalized)."""
+    """``logits`` with each penalized row's penalties applied, as vLLM orders them: a positive logit of
+    any token of the prompt or the output divided by ``repetition_penalty`` (a negative one
+    multiplied), then every output token lowered by ``presence_penalty`` once and
+    ``frequency_penalty`` per occurrence. A new tensor; the same one when no row is penalized."""
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []
+    seen_rows: list[int] = []
+    seen_cols: list[int] = []
+    factors: list[float] = []
     for i, p in enumerate(params):
-        if not p.penalized or not outputs[i]:
+        if not p.penalized:
             continue
-        counts = Counter(outputs[i])
-        rows.extend([i] * len(counts))
-        cols.extend(counts.keys())
-        values.extend(-(p.presence_penalty + p.frequency_penalty * n) for n in counts.values())
-    if not rows:
+        tokens, prompt_len = history[i]
+        if p.repetition_penalty != 1.0 and tokens:
+            seen = set(tokens)
+            seen_rows.extend([i] * len(seen))
+            seen_cols.extend(seen)
+            factors.extend([p.repetition_penalty] * len(seen))
+        if (p.presence_penalty or p.frequency_penalty) and len(tokens) > prompt_len:
+            counts = Counter(tokens[prompt_len:])
+            rows.extend([i] * len(counts))
+            cols.extend(counts.keys())
+            values.extend(-(p.presence_penalty + p.frequency_penalty * n) for n in counts.values())
+    if not rows and not seen_rows:
         return logits
     device = logits.device
     penalized = logits.clone()
-    penalized.index_put_(
-        (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-        torch.tensor(values, dtype=logits.dtype, device=device),
-        accumulate=True,
-    )
+    if seen_rows:
+        at = (torch.tensor(seen_rows, device=device), torch.tensor(seen_cols, device=device))
+        picked = penalized[at]
+        factor = torch.tensor(factors, dtype=logits.dtype, device=device)
+        penalized[at] = torch.where(picked > 0, picked / factor, picked * factor)
+    if rows:
+        penalized.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(values, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
     return penalized
 
 

@@ -24,6 +24,7 @@ SEED_LIMIT = 2**63
 MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0  # OpenAI's bound for presence_penalty and frequency_penalty
+MAX_REPETITION_PENALTY = 2.0
 MAX_TOKEN_ID_DIGITS = 18  # far past any vocabulary; keeps int() of a hostile key cheap
 
 
@@ -59,6 +60,13 @@ class SamplingParams:
     # temperature and the filters). 0: off.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's and transformers' multiplicative penalty, in (0, 2]: every token of the prompt or the
+    # output has a positive logit divided by it and a negative one multiplied (applied before the two
+    # above). 1: off.
+    repetition_penalty: float = 1.0
+    # vLLM's min-p filter, in [0, 1]: after temperature, tokens less likely than min_p times the most
+    # likely one are dropped. 0: off.
+    min_p: float = 0.0
     # A JSON Schema (JSON text) the output must match, enforced token by token (engine/grammar.py);
     # the server sets it from ``response_format``. None: unconstrained.
     json_schema: str | None = None
@@ -105,6 +113,15 @@ class SamplingParams:
             _check_number(name, value, float)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty, float)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            _bad(
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
+        _check_number("min_p", self.min_p, float)
+        if not 0.0 <= self.min_p <= 1.0:
+            _bad("min_p", f"must be in [0, 1], got {self.min_p}")
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         if self.json_schema is not None:
             self.json_schema = check_schema(self.json_schema)
@@ -124,9 +141,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the output so far changes the next token's logits (never drafted: each position
+        """Whether the tokens so far change the next token's logits (never drafted: each position
         of a verify would need the drafts before it counted)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def for_first_token(self) -> SamplingParams:
         """The parameters a remote prefill samples with: this request's first token, exactly as a unified

@@ -27,6 +27,24 @@ UNSUPPORTED_FIELDS = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
 }
+# vLLM's extra sampling fields this server does not implement, with the value that means "off":
+# any other value is refused by name, never ignored (clients written for vLLM send them).
+UNSUPPORTED_EXTRAS: dict[str, tuple[Any, str]] = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty only applies to beam search, which is not supported"),
+    "prompt_logprobs": (None, "prompt logprobs are not supported"),
+    "guided_json": (None, "use response_format with a json_schema"),
+    "guided_regex": (None, "regex-guided decoding is not supported"),
+    "guided_choice": (None, "choice-guided decoding is not supported"),
+    "guided_grammar": (None, "grammar-guided decoding is not supported"),
+    "structured_outputs": (None, "use response_format with a json_schema"),
+    "bad_words": ([], "bad_words is not supported; logit_bias -100 bans a token"),
+    "allowed_token_ids": (None, "allowed_token_ids is not supported"),
+    "truncate_prompt_tokens": (None, "prompt truncation is not supported"),
+    "include_stop_str_in_output": (False, "the output is always cut before the stop string"),
+    "skip_special_tokens": (True, "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": (True, "decoding always uses the tokenizer's own spacing"),
+}
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -70,8 +88,10 @@ class SamplingRequest:
     min_tokens: int = 0
     repetition_window: int | None = None  # None: the server's --repetition-window
     logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
-    presence_penalty: float = 0.0  # SamplingParams checks the range
+    presence_penalty: float = 0.0  # SamplingParams checks the ranges
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     json_schema: str | None = None  # from response_format; SamplingParams checks it, the engine compiles it
     # Seconds the request may take from arrival to its last token (a Sovereign extension; the
     # server's --request-timeout caps it); None: the server's limit, if any.
@@ -212,6 +232,13 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         s.logit_bias = logit_bias
     s.presence_penalty = _get_number(body, "presence_penalty", 0.0)
     s.frequency_penalty = _get_number(body, "frequency_penalty", 0.0)
+    s.repetition_penalty = _get_number(body, "repetition_penalty", 1.0)
+    s.min_p = _get_number(body, "min_p", 0.0)
+    for name, (default, why) in UNSUPPORTED_EXTRAS.items():
+        if name in body and body[name] is not None and body[name] != default:
+            raise _bad(
+                name, f"'{name}': {why}; leave it out or send {json.dumps(default)}", "unsupported_value"
+            )
     return s
 
 
@@ -431,6 +458,8 @@ def sampling_params(
             logit_bias=sampling.logit_bias,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            min_p=sampling.min_p,
             json_schema=sampling.json_schema,
         )
         params.check_vocab(vocab_size)
