@@ -40,6 +40,7 @@ from .engine.group import (
     spawn_node_ranks,
 )
 from .engine.repetition import check_window
+from .engine.sampling import SamplingDefaults, read_generation_config
 from .engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from .engine.speculative import ALGORITHMS, DEFAULT_MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, SpeculativeConfig
 from .model.faults import FaultSpec
@@ -179,6 +180,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-rank", type=_non_negative_int, help=argparse.SUPPRESS)
     p.add_argument(
         "--max-model-len", type=_positive_int, metavar="TOKENS", help="context length (default: config)"
+    )
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty out get the"
+        " model's generation_config.json values (as vLLM does); none: OpenAI's defaults",
     )
     p.add_argument(
         "--max-num-seqs", type=_positive_int, default=64, metavar="N", help="requests in one batch"
@@ -515,6 +523,20 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return config
 
 
+def sampling_defaults(mode: str, model_path: Path) -> SamplingDefaults:
+    """What requests that leave the sampling fields out get (``--generation-config``); a bad
+    generation_config.json is a ``UsageError`` naming the file and the key."""
+    if mode == "none":
+        return SamplingDefaults()
+    try:
+        defaults = read_generation_config(model_path)
+    except ValueError as exc:
+        raise UsageError(f"serve: {exc} (--generation-config none ignores the file)") from None
+    if defaults.changed():
+        log.info("sampling defaults from %s/generation_config.json: %s", model_path, defaults.changed())
+    return defaults
+
+
 def engine_options(
     args: argparse.Namespace, model_path: Path, speculative: SpeculativeConfig | None
 ) -> EngineOptions:
@@ -551,6 +573,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model if args.model.startswith(BUILTIN_PREFIX) else model_path.name
     )
     options = engine_options(args, model_path, speculative)
+    defaults = sampling_defaults(args.generation_config, model_path)
     config = ServerConfig(
         served_model_name=name,
         api_key=api_key,
@@ -561,6 +584,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         self_test_interval_s=args.self_test_interval,
         repetition_window=args.repetition_window,
+        sampling_defaults=defaults,
         read_deadlines=read_deadlines(args),
         request_timeout_s=args.request_timeout,
         debug_hold_compiling_s=args.debug_hold_compiling_s or 0.0,

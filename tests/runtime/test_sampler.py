@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from sovereign_runtime.engine.sampler import Sampler, apply_penalties, make_generator
-from sovereign_runtime.engine.sampling import SamplingParams
+from sovereign_runtime.engine.sampling import SamplingDefaults, SamplingParams, read_generation_config
 
 torch.set_num_threads(1)
 
@@ -268,3 +269,19 @@ def test_min_p_drops_tokens_less_likely_than_its_share_of_the_best() -> None:
     assert set(out.token_ids) == {0, 1}
     free = Sampler()(logits, [SamplingParams(temperature=1.0)] * 200, [make_generator(i) for i in range(200)])
     assert set(free.token_ids) - {0, 1}  # without it the tail is drawn too
+
+
+def test_generation_config_gives_the_defaults_vllm_reads_and_bad_values_name_the_file(tmp_path: Path) -> None:
+    assert read_generation_config(tmp_path) == SamplingDefaults()  # no file: OpenAI's
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": -1, "do_sample": True, "max_new_tokens": 9})
+    )
+    defaults = read_generation_config(tmp_path)
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert defaults.changed() == {"temperature": 0.6, "top_p": 0.95}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 7, "min_p": 0.1}))
+    with pytest.raises(ValueError, match=r"generation_config.json: .*temperature.*must be in \[0, 2\]"):
+        read_generation_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"generation_config\.json: not readable JSON"):
+        read_generation_config(tmp_path)

@@ -240,3 +240,19 @@ def test_serve_process_phases_requests_and_sigterm_drain(checkpoint: Path, tmp_p
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_generation_config_flag_reads_or_ignores_the_models_file(tmp_path: Path) -> None:
+    from sovereign_runtime.cli import sampling_defaults
+    from sovereign_runtime.engine.sampling import SamplingDefaults
+    from sovereign_runtime.program import UsageError
+
+    parse = build_parser(load={"serve"}).parse_args
+    assert parse(["serve", "--model", "m"]).generation_config == "auto"
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
+    assert sampling_defaults("auto", tmp_path) == SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert sampling_defaults("none", tmp_path) == SamplingDefaults()
+    (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
+    with pytest.raises(UsageError, match=r"top_p.*--generation-config none ignores the file"):
+        sampling_defaults("auto", tmp_path)
+    assert sampling_defaults("none", tmp_path) == SamplingDefaults()

@@ -6,6 +6,7 @@ is banned, a reply's text names its tokens exactly and the tests can read what t
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,3 +151,36 @@ def test_repetition_penalty_and_min_p_are_taken_and_vllm_extras_we_lack_are_refu
         assert answer["error"]["code"] == "unsupported_value"
     status, answer = server.request("POST", "/v1/completions", {**body, "repetition_penalty": 0})
     assert status == 400 and answer["error"]["param"] == "repetition_penalty", answer
+
+
+def test_left_out_sampling_fields_take_the_models_generation_config(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """As vLLM's --generation-config auto (DeepSeek-R1 ships temperature 0.6 and top_p 0.95 there).
+    Here the model's file asks for greedy: unseeded requests that leave temperature out all agree,
+    and a request's own temperature still wins."""
+    from sovereign_runtime.assembly import EngineOptions, make_loader
+    from sovereign_runtime.cli import sampling_defaults
+    from sovereign_runtime.server import ServerConfig, create_app
+
+    checkpoint = byte_tokenizer_checkpoint(tiny_checkpoint_factory, tmp_path / "ckpt")
+    (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "do_sample": False}))
+    options = EngineOptions(model_path=checkpoint, device="cpu", max_model_len=128, num_kv_blocks=32)
+    replies: dict[str, list[str]] = {}
+    for mode in ("auto", "none"):
+        config = ServerConfig(served_model_name=MODEL, sampling_defaults=sampling_defaults(mode, checkpoint))
+        srv = LiveServer(create_app(config, loader=make_loader(options)))
+        try:
+            srv.wait_ready()
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
+            replies[mode] = []
+            for extra in ({}, {}, {}, {"temperature": 1.0, "seed": 5}):
+                status, answer = srv.request("POST", "/v1/completions", {**body, **extra})
+                assert status == 200, answer
+                replies[mode].append(answer["choices"][0]["text"])
+        finally:
+            srv.close()
+    auto, none = replies["auto"], replies["none"]
+    assert auto[0] == auto[1] == auto[2]  # greedy by the model's default
+    assert auto[3] != auto[0]  # the request's own temperature
+    assert len(set(none[:3])) > 1  # OpenAI's default temperature 1: sampled

@@ -4,9 +4,11 @@ trust them. A violated bound raises ``InvalidRequest`` naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn
 
 from .api import InvalidRequest
@@ -153,6 +155,52 @@ class SamplingParams:
         request's own parameters to the first token it receives and to every later one.
         """
         return dataclasses.replace(self, max_tokens=1, min_tokens=0)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves these fields out samples with: OpenAI's defaults, or the model's
+    own recommendation from its ``generation_config.json`` (``read_generation_config``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def changed(self) -> dict[str, float]:
+        """The fields that differ from OpenAI's defaults (what a log line should say)."""
+        base = SamplingDefaults()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(base, f.name)
+        }
+
+
+# The generation_config.json keys a request's defaults come from, as vLLM reads them (its
+# --generation-config auto); do_sample and max_new_tokens are not among them.
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(model_dir: Path) -> SamplingDefaults:
+    """The sampling defaults ``model_dir/generation_config.json`` recommends (OpenAI's where it has
+    none, or no such file). A value out of range is a ValueError naming the file and the key."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return SamplingDefaults()
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must be a JSON object")
+    found = {key: raw[key] for key in GENERATION_CONFIG_KEYS if raw.get(key) is not None}
+    try:
+        checked = SamplingParams(**found)  # the same bounds a request's own values meet
+    except InvalidRequest as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return SamplingDefaults(**{key: getattr(checked, key) for key in found})
 
 
 def _normalise_logit_bias(bias: object) -> dict[int, float]:

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.api import EngineStats
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import SamplingDefaults, SamplingParams
 from ..read_deadlines import DeadlineGuard, ReadDeadlines
 from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
 from .edge import PARSE_INLINE_BYTES, check_prompt_size, parse_body, text_bytes
@@ -70,6 +70,9 @@ class ServerConfig:
     self_test_interval_s: float = 300.0
     # Default repetition window for requests that do not set repetition_window (0: off).
     repetition_window: int = 0
+    # What requests that leave temperature, top_p, top_k, min_p or repetition_penalty out sample
+    # with (`serve --generation-config`: the model's generation_config.json, or OpenAI's defaults).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # How long a client may take to send a request's headers and body, and to stay idle between requests.
     read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
     # Longest a generation request may run, from arrival to its last token; 0: no limit. A request's
@@ -462,7 +465,11 @@ class _Api:
             raise APIError(str(exc), param="messages", code="invalid_value") from None
         max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
         params = sampling_params(
-            req.sampling, max_tokens, rt.tokenizer.vocab_size, self.config.repetition_window
+            req.sampling,
+            max_tokens,
+            rt.tokenizer.vocab_size,
+            self.config.repetition_window,
+            self.config.sampling_defaults,
         )
         started_thinking = prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
@@ -593,7 +600,11 @@ class _Api:
                 (
                     ids,
                     sampling_params(
-                        req.sampling, max_tokens, rt.tokenizer.vocab_size, self.config.repetition_window
+                        req.sampling,
+                        max_tokens,
+                        rt.tokenizer.vocab_size,
+                        self.config.repetition_window,
+                        self.config.sampling_defaults,
                     ),
                 )
             )

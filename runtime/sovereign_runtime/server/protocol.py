@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.api import InvalidRequest
 from ..engine.grammar import JSON_OBJECT_SCHEMA
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import SamplingDefaults, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
@@ -75,9 +75,10 @@ class APIError(Exception):
 class SamplingRequest:
     """Sampling fields shared by both endpoints, JSON types checked; ``SamplingParams`` checks bounds."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # None: left out, the server's SamplingDefaults apply (the model's generation_config.json).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     seed: int | None = None
@@ -90,8 +91,8 @@ class SamplingRequest:
     logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
     presence_penalty: float = 0.0  # SamplingParams checks the ranges
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     json_schema: str | None = None  # from response_format; SamplingParams checks it, the engine compiles it
     # Seconds the request may take from arrival to its last token (a Sovereign extension; the
     # server's --request-timeout caps it); None: the server's limit, if any.
@@ -141,6 +142,10 @@ def _get_number(body: dict[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
+def _get_optional_number(body: dict[str, Any], name: str) -> float | None:
+    return None if body.get(name) is None else _get_number(body, name, 0.0)
+
+
 def _get_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
@@ -164,10 +169,9 @@ def _get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
 
 def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     s = SamplingRequest()
-    s.temperature = _get_number(body, "temperature", 1.0)
-    s.top_p = _get_number(body, "top_p", 1.0)
-    top_k = _get_int(body, "top_k")
-    s.top_k = 0 if top_k is None else top_k
+    s.temperature = _get_optional_number(body, "temperature")
+    s.top_p = _get_optional_number(body, "top_p")
+    s.top_k = _get_int(body, "top_k")
     for name in ("max_completion_tokens", "max_tokens"):
         value = _get_int(body, name)
         if value is not None and s.max_tokens is None:
@@ -232,8 +236,8 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         s.logit_bias = logit_bias
     s.presence_penalty = _get_number(body, "presence_penalty", 0.0)
     s.frequency_penalty = _get_number(body, "frequency_penalty", 0.0)
-    s.repetition_penalty = _get_number(body, "repetition_penalty", 1.0)
-    s.min_p = _get_number(body, "min_p", 0.0)
+    s.repetition_penalty = _get_optional_number(body, "repetition_penalty")
+    s.min_p = _get_optional_number(body, "min_p")
     for name, (default, why) in UNSUPPORTED_EXTRAS.items():
         if name in body and body[name] is not None and body[name] != default:
             raise _bad(
@@ -436,15 +440,27 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    sampling: SamplingRequest, max_tokens: int, vocab_size: int, repetition_window: int = 0
+    sampling: SamplingRequest,
+    max_tokens: int,
+    vocab_size: int,
+    repetition_window: int = 0,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one prompt; a bound ``SamplingParams`` refuses becomes a 400 naming the
-    parameter the client sent. ``vocab_size`` bounds the token ids in ``logit_bias``."""
+    parameter the client sent. ``vocab_size`` bounds the token ids in ``logit_bias``; ``defaults`` fill
+    the sampling fields the request left out."""
+    d = defaults or SamplingDefaults()
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
     try:
         params = SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
+            temperature=given(sampling.temperature, d.temperature),
+            top_p=given(sampling.top_p, d.top_p),
+            top_k=given(sampling.top_k, d.top_k),
+            min_p=given(sampling.min_p, d.min_p),
+            repetition_penalty=given(sampling.repetition_penalty, d.repetition_penalty),
             max_tokens=max_tokens,
             seed=sampling.seed,
             stop_token_ids=sampling.stop_token_ids,
@@ -458,8 +474,6 @@ def sampling_params(
             logit_bias=sampling.logit_bias,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
-            repetition_penalty=sampling.repetition_penalty,
-            min_p=sampling.min_p,
             json_schema=sampling.json_schema,
         )
         params.check_vocab(vocab_size)
