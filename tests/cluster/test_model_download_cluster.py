@@ -200,6 +200,13 @@ def jobs(kube: Kubectl, ns: str, component: str) -> list[dict[str, Any]]:
     return kube.items("jobs", "-n", ns, "-l", f"app.kubernetes.io/component={component}")
 
 
+def finish_resolve(kube: Kubectl, ns: str) -> None:
+    """The namespace's one resolve Job answers: COMMIT, BYTES in 4 files."""
+    (resolve,) = wait_for("the resolve Job", lambda: jobs(kube, ns, "model-resolve"))
+    result = {"event": "resolved", "commit": COMMIT, "bytesTotal": BYTES, "files": 4}
+    finish(kube, ns, job_pod(kube, ns, resolve["metadata"]["name"]), result)
+
+
 def test_a_download_is_resolved_cached_shared_and_gates_the_pools(
     kube: Kubectl, operator: OperatorHandle, namespace: str, storage_class: str
 ) -> None:
@@ -316,13 +323,7 @@ def test_a_cache_claim_of_a_missing_class_degrades_until_it_binds(
     once the claim binds."""
     missing = f"sovereign-test-no-class-{secrets.token_hex(3)}"
     kube.apply(llmd("unbound", hf_spec(missing)), namespace)
-    (resolve,) = wait_for("the resolve Job", lambda: jobs(kube, namespace, "model-resolve"))
-    finish(
-        kube,
-        namespace,
-        job_pod(kube, namespace, resolve["metadata"]["name"]),
-        {"event": "resolved", "commit": COMMIT, "bytesTotal": BYTES, "files": 4},
-    )
+    finish_resolve(kube, namespace)
 
     def pending() -> dict[str, Any] | None:
         operator.assert_alive()
@@ -377,13 +378,7 @@ def test_a_retained_claim_that_never_bound_goes_with_the_last_deployment_that_ap
     missing = f"sovereign-test-no-class-{secrets.token_hex(3)}"
     for name in ("a", "b"):
         kube.apply(llmd(name, hf_spec(missing)), namespace)
-    (resolve,) = wait_for("the shared resolve Job", lambda: jobs(kube, namespace, "model-resolve"))
-    finish(
-        kube,
-        namespace,
-        job_pod(kube, namespace, resolve["metadata"]["name"]),
-        {"event": "resolved", "commit": COMMIT, "bytesTotal": BYTES, "files": 4},
-    )
+    finish_resolve(kube, namespace)  # one Job: the two share it
     pending = wait_phase(kube, operator, namespace, "a", "Downloading")["cache"]
     assert wait_phase(kube, operator, namespace, "b", "Downloading")["cache"] == pending
     uids = {name: get_llmd(kube, namespace, name)["metadata"]["uid"] for name in ("a", "b")}
