@@ -186,19 +186,15 @@ def apply_penalties(
             values.extend(-(p.presence_penalty + p.frequency_penalty * n) for n in counts.values())
     if not rows and not seen_rows:
         return logits
-    device = logits.device
     penalized = logits.clone()
     if seen_rows:
+        device = logits.device
         at = (torch.tensor(seen_rows, device=device), torch.tensor(seen_cols, device=device))
         picked = penalized[at]
         factor = torch.tensor(factors, dtype=logits.dtype, device=device)
         penalized[at] = torch.where(picked > 0, picked / factor, picked * factor)
     if rows:
-        penalized.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-            torch.tensor(values, dtype=logits.dtype, device=device),
-            accumulate=True,
-        )
+        _add_at_(penalized, rows, cols, values)
     return penalized
 
 
@@ -217,14 +213,19 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
             values.extend(p.logit_bias.values())
     if not rows:
         return logits
-    device = logits.device
     biased = logits.float().clone()
-    biased.index_put_(
+    _add_at_(biased, rows, cols, values)
+    return biased
+
+
+def _add_at_(logits: torch.Tensor, rows: list[int], cols: list[int], values: list[float]) -> None:
+    """Add ``values`` at (``rows``, ``cols``) of ``logits`` in place, repeated positions summed."""
+    device = logits.device
+    logits.index_put_(
         (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-        torch.tensor(values, device=device, dtype=biased.dtype),
+        torch.tensor(values, device=device, dtype=logits.dtype),
         accumulate=True,
     )
-    return biased
 
 
 def _draw_noise(row: torch.Tensor, generator: torch.Generator) -> None:
