@@ -74,6 +74,8 @@ class EngineOptions:
     fault: FaultSpec | None = None
     # MTP speculative decoding (--speculative-*); off by itself when the checkpoint has no MTP layer.
     speculative: SpeculativeConfig | None = None
+    # --chat-template: the text of a template used in place of the tokenizer's own.
+    chat_template: str | None = None
 
 
 @dataclass
@@ -110,6 +112,8 @@ def load_runtime(options: EngineOptions, progress: ProgressFn) -> LoadedRuntime:
     """Load everything the server needs; runs in a worker thread while HTTP already answers probes."""
     progress("loading_weights", 0.0, "reading the tokenizer")
     tokenizer = Tokenizer.from_dir(options.model_path)
+    if options.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(options.chat_template)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype)
     progress("loading_weights", 0.05, f"loading weights from {options.model_path} onto {device}")

@@ -15,6 +15,8 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import jinja2
+
 from . import builtin
 from .allocator import tune_malloc
 from .assembly import (
@@ -49,6 +51,7 @@ from .program import main as main  # console scripts installed before program.py
 from .read_deadlines import add_read_deadline_flags, read_deadlines
 from .server import ServerConfig, create_app, serve
 from .server.app import jit_cache_dir
+from .tokenizer import compile_chat_template
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -180,6 +183,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-rank", type=_non_negative_int, help=argparse.SUPPRESS)
     p.add_argument(
         "--max-model-len", type=_positive_int, metavar="TOKENS", help="context length (default: config)"
+    )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template to use in place of the model's own (for example one that renders"
+        " 'tools': DeepSeek-V3's own template does not)",
     )
     p.add_argument(
         "--generation-config",
@@ -537,6 +547,22 @@ def sampling_defaults(mode: str, model_path: Path) -> SamplingDefaults:
     return defaults
 
 
+def read_chat_template(path: Path | None) -> str | None:
+    """``--chat-template``: the file's text, compiled once here so a syntax error stops ``serve`` at start
+    naming the file and the line."""
+    if path is None:
+        return None
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"serve: --chat-template {path}: {exc}") from None
+    try:
+        compile_chat_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UsageError(f"serve: --chat-template {path}, line {exc.lineno}: {exc.message}") from None
+    return source
+
+
 def engine_options(
     args: argparse.Namespace, model_path: Path, speculative: SpeculativeConfig | None
 ) -> EngineOptions:
@@ -553,6 +579,7 @@ def engine_options(
         self_test=not args.no_self_test,
         fault=fault_spec(args),
         speculative=speculative,
+        chat_template=read_chat_template(args.chat_template),
     )
 
 

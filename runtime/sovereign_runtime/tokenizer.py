@@ -7,6 +7,7 @@ request: token ids -> ``IncrementalDetokenizer`` -> ``StopStringMatcher`` -> ``R
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -111,6 +113,10 @@ class Tokenizer:
             special_ids=frozenset(special),
         )
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with another chat template (``serve --chat-template``)."""
+        return dataclasses.replace(self, chat_template=source, _template=None)
+
     @property
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
@@ -140,9 +146,30 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.hf.id_to_token(token_id) or ""
 
-    def _visible(self, ids: Iterable[int]) -> list[int]:
-        special = self.special_ids
+    def _visible(self, ids: Iterable[int], keep: frozenset[int] = frozenset()) -> list[int]:
+        special = self.special_ids - keep if keep else self.special_ids
         return [i for i in ids if i not in special]
+
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (``tools``, ``messages``, ...)."""
+        if self.chat_template is None:
+            return frozenset()
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        try:
+            return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.chat_template)))
+        except jinja2.TemplateError:
+            return frozenset()  # rendering reports the template's error as a 400 of its own
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """The template writes the request's ``tools`` into the prompt (DeepSeek-V3's own does not)."""
+        return "tools" in self.template_variables
+
+    @property
+    def template_renders_tool_calls(self) -> bool:
+        """The template writes an assistant turn's ``tool_calls`` (read as a message field, so by name)."""
+        return self.chat_template is not None and "tool_calls" in self.chat_template
 
     def apply_chat_template(
         self,
@@ -178,10 +205,15 @@ class Tokenizer:
         return max((len(t.encode("utf-8")) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """Render and tokenise a conversation; the template already wrote BOS, so add no special tokens."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        """Render and tokenise a conversation; the template already wrote BOS, so add no special tokens.
+        ``tools`` (OpenAI's tool objects) reach the template as HF's ``tools`` variable."""
+        extra = {} if tools is None else {"tools": tools}
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return text, self.encode(text, add_special_tokens=False)
 
 
@@ -195,9 +227,13 @@ class IncrementalDetokenizer:
     # Tokens kept in front of the unread ones so merges across the boundary decode the same way.
     _CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), keep: frozenset[int] = frozenset()
+    ) -> None:
+        """``keep``: special tokens to write into the text (a tool-call parser reads its markers)."""
         self._tok = tokenizer
-        visible = tokenizer._visible(prompt_ids)
+        self._keep = keep
+        visible = tokenizer._visible(prompt_ids, keep)
         self._ids: list[int] = visible[-self._CONTEXT :]
         self._prefix = 0
         self._read = len(self._ids)
@@ -205,7 +241,7 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: Iterable[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
-        added = self._tok._visible(new_ids)
+        added = self._tok._visible(new_ids, self._keep)
         if not added:
             return ""
         self._ids.extend(added)

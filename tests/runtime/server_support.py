@@ -33,8 +33,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_byte_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """A byte-level BPE without merges (one token per UTF-8 byte) plus special and think tokens."""
+def write_byte_tokenizer(
+    directory: Path, chat_template: str = CHAT_TEMPLATE, extra_special: Sequence[str] = ()
+) -> Path:
+    """A byte-level BPE without merges (one token per UTF-8 byte) plus special and think tokens;
+    ``extra_special`` adds more special tokens after them (tool-call markers)."""
     directory.mkdir(parents=True, exist_ok=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
@@ -44,6 +47,8 @@ def write_byte_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE) ->
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, USER, ASSISTANT)]
     )
+    if extra_special:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
     tok.save(str(directory / "tokenizer.json"))
     config = {

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
-from server_support import LiveServer, byte_tokenizer_checkpoint
+from server_support import LiveServer, byte_tokenizer_checkpoint, write_byte_tokenizer
 from sovereign_runtime.assembly import EngineOptions, make_loader
 from sovereign_runtime.server import ServerConfig, create_app
 from sovereign_runtime.server.app import STATE
@@ -139,3 +142,107 @@ def test_logit_bias_as_the_client_sends_it(client: openai.OpenAI) -> None:
             model=MODEL, messages=[{"role": "user", "content": "x"}], logit_bias={str(z): 101}
         )
     assert bad.value.status_code == 400 and bad.value.param == "logit_bias"
+
+
+# ---- tool calling: forced calls decoded under their schemas by the real engine --------------------------
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tool_client(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[openai.OpenAI]:
+    from test_server_tools import MARKERS, TOOL_TEMPLATE
+
+    # The byte vocabulary plus DeepSeek's five tool-call markers; the checkpoint keeps its own template
+    # and the server is given the tool template as serve --chat-template gives it.
+    src = tiny_checkpoint_factory(vocab_size=262 + len(MARKERS), bos_token_id=256, eos_token_id=257)
+    ckpt = tmp_path_factory.mktemp("oai-tools") / "ckpt"
+    shutil.copytree(src, ckpt)
+    write_byte_tokenizer(ckpt, extra_special=MARKERS)
+    options = EngineOptions(
+        model_path=ckpt,
+        device="cpu",
+        max_model_len=512,
+        max_num_seqs=4,
+        num_kv_blocks=64,
+        chat_template=TOOL_TEMPLATE,
+    )
+    srv = LiveServer(
+        create_app(ServerConfig(served_model_name=MODEL, warmup=False), loader=make_loader(options))
+    )
+    try:
+        srv.wait_ready()
+        c = openai.OpenAI(base_url=srv.url + "/v1", max_retries=0, timeout=120, api_key="unused")
+        yield c
+        c.close()
+    finally:
+        srv.close()
+
+
+def ask(client: openai.OpenAI, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "weather and time?"}],
+        tools=[CITY, CLOCK],
+        temperature=0,
+        **{"max_tokens": 160, **kwargs},
+    )
+
+
+def test_named_tool_choice_returns_arguments_that_match_the_schema(tool_client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    resp = ask(tool_client, tool_choice=choice)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    message = resp.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_time" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    # Streamed, the same call arrives as a header entry and argument pieces.
+    name, arguments = None, ""
+    for chunk in ask(tool_client, tool_choice=choice, stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            name = delta_call.function.name or name
+            arguments += delta_call.function.arguments or ""
+    assert name == "get_time" and json.loads(arguments) == json.loads(call.function.arguments)
+
+
+def test_required_tool_choice_calls_one_of_the_tools(tool_client: openai.OpenAI) -> None:
+    resp = ask(tool_client, tool_choice="required", parallel_tool_calls=False)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    calls = resp.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    args = json.loads(calls[0].function.arguments)
+    assert set(args) == ({"city"} if calls[0].function.name == "get_weather" else {"zone"})
+
+
+def test_auto_tool_choice_serves_a_model_that_answers_in_text(tool_client: openai.OpenAI) -> None:
+    # The random model writes no markup: its answer is plain content and nothing is lost.
+    resp = ask(tool_client, max_tokens=12, extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length" and not resp.choices[0].message.tool_calls
+    assert resp.usage is not None and resp.usage.completion_tokens == 12

@@ -26,6 +26,7 @@ from .metrics import ServerMetrics
 from .output_health import OutputHealthMonitor
 from .protocol import (
     APIError,
+    ChatRequest,
     SamplingRequest,
     parse_chat_request,
     parse_completion_request,
@@ -43,6 +44,7 @@ from .responses import (
     usage,
 )
 from .state import LoadedRuntime, Loader, ServerState
+from .tools import ToolChoiceOutput, detect_format, named_call_schema, required_calls_schema
 
 log = logging.getLogger("sovereign_runtime.server")
 
@@ -456,10 +458,14 @@ class _Api:
         contents = [m.get("content") for m in req.messages]
         size = text_bytes([c for c in contents if isinstance(c, str)])
         check_prompt_size(size, rt.max_model_len, rt.tokenizer.max_token_bytes, "messages")
+        tool_output, keep_ids = self._tool_output(rt, req)
         try:
             # Template and tokenizer run on a thread: a long conversation must not stall the loop.
             prompt_text, prompt_ids = await asyncio.to_thread(
-                rt.tokenizer.encode_chat, req.messages, req.add_generation_prompt
+                rt.tokenizer.encode_chat,
+                req.messages,
+                req.add_generation_prompt,
+                req.tools.tools if req.tools is not None else None,
             )
         except ChatTemplateError as exc:
             raise APIError(str(exc), param="messages", code="invalid_value") from None
@@ -471,7 +477,9 @@ class _Api:
             self.config.repetition_window,
             self.config.sampling_defaults,
         )
-        started_thinking = prompt_text.rstrip().endswith(THINK_START)
+        # A template that opens the reasoning trace for the model; not under a schema, which allows no
+        # trace (response_format, a forced tool call): all of that output is the answer.
+        started_thinking = params.json_schema is None and prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
         steps = run_request(
             rt.engine,
@@ -483,25 +491,81 @@ class _Api:
             rid,
             req.sampling.param_names,
             self._timeout_s(req.sampling),
+            keep_ids,
         )
         self.state.request_started()
         try:
             async with aclosing(steps):
                 if req.stream:
                     return await self._chat_stream(
-                        request, rt, req.include_usage, steps, rid, started_thinking
+                        request, rt, req.include_usage, steps, rid, started_thinking, tool_output
                     )
-                return await self._chat_full(rt, steps, rid, started_thinking)
+                return await self._chat_full(rt, steps, rid, started_thinking, tool_output)
         finally:
             self.state.request_finished()
 
+    def _tool_output(self, rt: LoadedRuntime, req: ChatRequest) -> tuple[ToolChoiceOutput, frozenset[int]]:
+        """How the request's ``tool_choice`` reads the output, and the marker tokens to keep in its text.
+        A forced call (``required``, a named function) constrains decoding to its JSON schema; ``auto``
+        needs the model's tool-call markers. Refused (400) where the model could not do what was asked."""
+        tokenizer = rt.tokenizer
+        if any("tool_calls" in m for m in req.messages) and not tokenizer.template_renders_tool_calls:
+            raise APIError(
+                "this model's chat template does not write an assistant turn's 'tool_calls', so the"
+                " conversation cannot be rendered faithfully; serve it with --chat-template set to a"
+                " template that does",
+                param="messages",
+                code="unsupported_value",
+            )
+        tools = req.tools
+        if tools is None or tools.choice == "none":
+            return ToolChoiceOutput("none"), frozenset()
+        if not tokenizer.template_renders_tools:
+            raise APIError(
+                "this model's chat template does not write 'tools' into the prompt (DeepSeek-V3's own"
+                " template does not), so the model would not see them; serve it with --chat-template set"
+                " to a template that renders 'tools'",
+                param="tools",
+                code="unsupported_value",
+            )
+        if tools.choice == "auto":
+            detected = detect_format(tokenizer.token_to_id)
+            if detected is None:
+                raise APIError(
+                    "this model's vocabulary has none of the tool-call markers this server reads"
+                    " (DeepSeek's <｜tool▁calls▁begin｜> ...), so its calls could not be told from text;"
+                    " 'tool_choice': 'required' or a named function still work",
+                    param="tool_choice",
+                    code="unsupported_value",
+                )
+            fmt, marker_ids = detected
+            return ToolChoiceOutput("auto", fmt), marker_ids
+        if tools.choice == "required":
+            req.sampling.json_schema = required_calls_schema(tools.tools, tools.parallel)
+        else:
+            assert tools.function is not None
+            req.sampling.json_schema = named_call_schema(tools.tool(tools.function))
+        req.sampling.param_names["json_schema"] = "tools"
+        return ToolChoiceOutput(tools.choice, function=tools.function), frozenset()
+
     async def _chat_full(
-        self, rt: LoadedRuntime, steps: AsyncIterator[Step], rid: str, started_thinking: bool
+        self,
+        rt: LoadedRuntime,
+        steps: AsyncIterator[Step],
+        rid: str,
+        started_thinking: bool,
+        tools: ToolChoiceOutput,
     ) -> web.Response:
         outcome = await collect(steps)
-        reasoning, content = ReasoningParser.split(outcome.text, started_thinking)
+        reasoning, text = ReasoningParser.split(outcome.text, started_thinking)
+        content, _ = tools.feed(text)
+        rest, _, finish = tools.finish(outcome.last.finish_reason or "stop")
+        content += rest
+        calls = [c.body() for c in tools.calls]
         logprobs = chat_logprobs(rt.tokenizer, outcome.logprobs)
-        choice = chat_message_choice(content, reasoning, logprobs, outcome.last.finish_reason)
+        # A turn that only calls tools has null content, as OpenAI's.
+        message_content = None if calls and not content.strip() else content
+        choice = chat_message_choice(message_content, reasoning, logprobs, finish, calls)
         envelope = self._envelope(rid, "chat.completion")
         return _json(envelope.body([choice], usage=usage([outcome.last])))
 
@@ -513,6 +577,7 @@ class _Api:
         steps: AsyncIterator[Step],
         rid: str,
         started_thinking: bool,
+        tools: ToolChoiceOutput,
     ) -> web.StreamResponse:
         resp = await self._open_stream(request)
         envelope = self._envelope(rid, "chat.completion.chunk")
@@ -527,17 +592,25 @@ class _Api:
         try:
             async for step in steps:
                 last = step
-                reasoning, content = parser.feed(step.text)
-                if step.finish_reason is not None:
+                reasoning, text = parser.feed(step.text)
+                finish = step.finish_reason
+                if finish is not None:
                     r2, c2 = parser.flush()
-                    reasoning, content = reasoning + r2, content + c2
+                    reasoning, text = reasoning + r2, text + c2
+                content, calls = tools.feed(text)
+                if finish is not None:
+                    rest, more, finish = tools.finish(finish)
+                    content, calls = content + rest, calls + more
                 logprobs = chat_logprobs(rt.tokenizer, step.logprobs)
                 if reasoning:
                     await resp.write(chunk({"reasoning_content": reasoning}))
-                if content or logprobs:
+                if content or (logprobs and not calls):
                     await resp.write(chunk({"content": content}, logprobs=logprobs))
-                if step.finish_reason is not None:
-                    await resp.write(chunk({}, finish=step.finish_reason))
+                    logprobs = None
+                if calls:
+                    await resp.write(chunk({"tool_calls": calls}, logprobs=logprobs))
+                if finish is not None:
+                    await resp.write(chunk({}, finish=finish))
         except Exception as exc:
             await self._stream_error(resp, exc)
             return resp

@@ -118,16 +118,17 @@ async def run_request(
     request_id: str,
     param_names: Mapping[str, str],
     timeout_s: float | None = None,
+    keep_ids: frozenset[int] = frozenset(),
 ) -> AsyncIterator[Step]:
     """Yield one ``Step`` per engine output; the last has ``finish_reason`` set.
 
     Leaving early (client gone, stop string, cancellation) closes the engine's iterator, which aborts the
     request and frees its KV blocks at once. ``param_names`` renames a refused engine field to the
-    client's parameter.
+    client's parameter; ``keep_ids`` are special tokens written into the text (tool-call markers).
     """
     arrival = time.monotonic()
     last_token_at: float | None = None
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_ids)
     matcher = StopStringMatcher(stops)
     prompt_tokens, completion_tokens, cached_tokens = len(prompt_ids), 0, 0
     finish: str | None = None

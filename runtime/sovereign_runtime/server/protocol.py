@@ -10,6 +10,7 @@ engine-side field, mapped here to the OpenAI parameter the client sent. Every us
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +23,13 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
 # Refused OpenAI fields: each answers a 400 that names the field and why it is refused.
 UNSUPPORTED_FIELDS = {
-    "tools": "this server has no tool calling",
-    "tool_choice": "this server has no tool calling",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the deprecated 'functions' API is not supported; send 'tools'",
+    "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'",
 }
+MAX_TOOLS = 128  # OpenAI's limit on 'tools'
+# OpenAI's rule for a function's name, plus dots (MCP servers' tool names use them; vLLM takes them).
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TOOL_CHOICES = ("none", "auto", "required")
 # vLLM's extra sampling fields this server does not implement, with the value that means "off":
 # any other value is refused by name, never ignored (clients written for vLLM send them).
 UNSUPPORTED_EXTRAS: dict[str, tuple[Any, str]] = {
@@ -102,6 +105,19 @@ class SamplingRequest:
 
 
 @dataclass
+class ToolRequest:
+    """The request's ``tools`` and ``tool_choice``, checked and in OpenAI's shape for the chat template."""
+
+    tools: list[dict[str, Any]]
+    choice: str  # "none" | "auto" | "required" | "function" (one named function, ``function``)
+    function: str | None = None
+    parallel: bool = True  # parallel_tool_calls
+
+    def tool(self, name: str) -> dict[str, Any]:
+        return next(t for t in self.tools if t["function"]["name"] == name)
+
+
+@dataclass
 class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]
@@ -109,6 +125,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     add_generation_prompt: bool = True
+    tools: ToolRequest | None = None
 
 
 @dataclass
@@ -211,7 +228,7 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     if best_of is not None and best_of != 1:
         raise _bad("best_of", "only 'best_of': 1 is supported", "unsupported_value")
     for name, why in UNSUPPORTED_FIELDS.items():
-        if body.get(name) not in (None, [], {}) and not (name == "tool_choice" and body[name] == "none"):
+        if body.get(name) not in (None, [], {}):
             raise _bad(name, f"'{name}': {why}; leave it out", "unsupported_value")
     if body.get("request_timeout") is not None:
         limit = _get_number(body, "request_timeout", 0.0)
@@ -347,24 +364,132 @@ def parse_chat_request(body: Any) -> ChatRequest:
         out["content"] = _message_text(msg.get("content"), i)
         if out["content"] is None and role != "assistant":
             raise _bad(f"messages[{i}].content", "'content' is required", "missing_required_parameter")
-        if msg.get("tool_calls") not in (None, []):
-            raise _bad(
-                f"messages[{i}].tool_calls",
-                "tool calling is not supported yet: a history with tool calls cannot be rendered faithfully",
-                "unsupported_value",
-            )
-        if out["content"] is None:
-            out["content"] = ""  # an assistant turn with no text (OpenAI sends null)
+        calls = msg.get("tool_calls")
+        if calls not in (None, []):
+            if role != "assistant":
+                raise _bad(f"messages[{i}].tool_calls", "only assistant messages carry 'tool_calls'")
+            out["tool_calls"] = _history_tool_calls(calls, i)
+        else:
+            out.pop("tool_calls", None)
+            if out["content"] is None:
+                out["content"] = ""  # an assistant turn with no text (OpenAI sends null)
+        if role == "tool" and not isinstance(msg.get("tool_call_id", ""), str):
+            raise _bad(f"messages[{i}].tool_call_id", "'tool_call_id' must be a string", "invalid_type")
         clean.append(out)
     stream, include_usage = _parse_stream(body)
+    sampling = _parse_sampling(body, chat=True)
+    tools = _parse_tools(body)
+    if tools is not None and tools.choice != "none" and sampling.json_schema is not None:
+        raise _bad(
+            "response_format",
+            "'response_format' constrains the output, so the model could not write a tool call: send"
+            " 'response_format' or 'tools' with a 'tool_choice' other than 'none', not both",
+        )
     return ChatRequest(
         model=_parse_model(body),
         messages=clean,
-        sampling=_parse_sampling(body, chat=True),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
+        tools=tools,
     )
+
+
+def _history_tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` for the template: ``arguments`` as JSON text (OpenAI's wire form;
+    DeepSeek's templates concatenate it), an object argument written out as JSON."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(param, "'tool_calls' must be a list of tool calls", "invalid_type")
+    clean = []
+    for j, call in enumerate(calls):
+        where = f"{param}[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise _bad(
+                where, "each tool call must be {'type': 'function', 'function': {'name', 'arguments'}}"
+            )
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"{where}.function", "'function' must be an object with a non-empty 'name'")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise _bad(
+                f"{where}.function.arguments",
+                "'arguments' must be a JSON string or an object",
+                "invalid_type",
+            )
+        call_id = call.get("id", "")
+        if not isinstance(call_id, str):
+            raise _bad(f"{where}.id", "'id' must be a string", "invalid_type")
+        clean.append(
+            {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        )
+    return clean
+
+
+def _parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools were sent."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = _get_bool(body, "parallel_tool_calls", True)
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise _bad("tool_choice", "'tool_choice' is only allowed when 'tools' are sent")
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", f"'tools' must be a list of tools, got {_type_name(tools)}", "invalid_type")
+    if len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}")
+    clean: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _bad(where, "each tool must be {'type': 'function', 'function': {'name': ..., ...}}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function", "'function' must be an object", "invalid_type")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise _bad(
+                f"{where}.function.name",
+                f"a function's 'name' must be 1 to 64 letters, digits, '_', '-' or '.', got {name!r}",
+            )
+        if any(t["function"]["name"] == name for t in clean):
+            raise _bad(f"{where}.function.name", f"two tools are named {name!r}; names must be unique")
+        if not isinstance(fn.get("description", ""), str):
+            raise _bad(f"{where}.function.description", "'description' must be a string", "invalid_type")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise _bad(
+                f"{where}.function.parameters", "'parameters' must be a JSON Schema object", "invalid_type"
+            )
+        clean.append({"type": "function", "function": dict(fn)})
+    if choice is None:
+        return ToolRequest(clean, "auto", parallel=parallel)
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise _bad(
+                "tool_choice",
+                f"'tool_choice' must be one of {list(TOOL_CHOICES)} or"
+                f" {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+            )
+        return ToolRequest(clean, choice, parallel=parallel)
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise _bad(
+            "tool_choice",
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "invalid_type",
+        )
+    if not any(t["function"]["name"] == name for t in clean):
+        known = [t["function"]["name"] for t in clean]
+        raise _bad(
+            "tool_choice", f"'tool_choice' names the function {name!r}, which is not in 'tools' {known}"
+        )
+    return ToolRequest(clean, "function", function=name, parallel=parallel)
 
 
 def _is_token_list(value: Any) -> bool:
@@ -403,6 +528,11 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
             raise _bad("prompt", f"token ids in 'prompt' must be in [0, {vocab_size})")
     if _get_bool(body, "echo"):
         raise _bad("echo", "'echo' is not supported", "unsupported_value")
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], "none"):
+            raise _bad(
+                name, f"'{name}' belongs to /v1/chat/completions; leave it out here", "unsupported_value"
+            )
     if body.get("suffix"):
         raise _bad("suffix", "'suffix' is not supported", "unsupported_value")
     stream, include_usage = _parse_stream(body)

@@ -86,14 +86,16 @@ def chat_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob]) -> dict[str, An
 
 
 def chat_message_choice(
-    content: str, reasoning: str, logprobs: dict[str, Any] | None, finish: str | None
+    content: str | None,
+    reasoning: str | None,
+    logprobs: dict[str, Any] | None,
+    finish: str | None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "index": 0,
-        "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
+    message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_delta_choice(
