@@ -21,7 +21,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.batch_v1 import Job
-from lightkube.resources.core_v1 import Event, Node, PersistentVolumeClaim, Pod, Service
+from lightkube.resources.core_v1 import ConfigMap, Event, Node, PersistentVolumeClaim, Pod, Service
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import CascadeType, PatchType
@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 # Registered with lightkube's codecs, so applying a rendered LeaderWorkerSet dict works like any kind.
 LeaderWorkerSetResource = create_namespaced_resource(LWS_GROUP, LWS_VERSION, LWS_KIND, LWS_PLURAL)
 # Kinds whose set changes with the mode (a pool appears or disappears); pruned after apply.
-_PRUNABLE = (StatefulSet, LeaderWorkerSetResource, Service, PodDisruptionBudget, NetworkPolicy)
+# ConfigMap: the chat template's goes when runtime.chatTemplate is removed.
+_PRUNABLE = (StatefulSet, LeaderWorkerSetResource, Service, PodDisruptionBudget, NetworkPolicy, ConfigMap)
 _PRUNABLE_KINDS = tuple(kind.__name__ for kind in _PRUNABLE)
 # How long one LIST of the nodes answers `advertised_resources`: a burst of new deployments
 # resolving `mode: auto` reads the nodes once, not once each.

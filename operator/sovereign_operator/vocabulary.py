@@ -44,6 +44,11 @@ def config_name(deployment: str) -> str:
     return f"{deployment}-runtime"
 
 
+def chat_template_name(deployment: str) -> str:
+    """The ConfigMap holding `runtime.chatTemplate`, mounted into the worker pods."""
+    return f"{deployment}-chat-template"
+
+
 def group_set_name(deployment: str, component: str) -> str:
     """A multi-node pool's LeaderWorkerSet (and LeaderWorkerSet's own headless Service for its pods):
     `<deployment>-<component>-group`; the pool's Service `<deployment>-<component>` selects its leaders."""

@@ -261,6 +261,23 @@ CASES = [
         cel=True,
     ),
     Case(
+        "chat-template-flag-once",
+        patched(
+            patched(GPU_SPEC, "runtime.chatTemplate", "{{ messages }}"),
+            "runtime.args",
+            ["--chat-template=/models/t.jinja"],
+        ),
+        "spec",
+        "runtime.chatTemplate renders the --chat-template flag",
+        cel=True,
+    ),
+    Case(
+        "chat-template-not-empty",
+        patched(GPU_SPEC, "runtime.chatTemplate", ""),
+        "spec.runtime.chatTemplate",
+        "should be at least 1 chars long",
+    ),
+    Case(
         "node-parallelism-needs-nodes",
         patched(GPU_SPEC, "decode.nodeParallelism", "tensor"),
         "spec.decode",

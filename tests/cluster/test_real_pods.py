@@ -405,3 +405,60 @@ def test_a_pod_whose_output_goes_bad_leaves_the_endpoints_and_the_other_serves_e
         f"\noutput guard: {faulty} not Ready {unready_after:.0f} s after the load began; {load.completed}"
         f" streams + {len(questions)} requests, 0 failed; OutputHealthy: {cond['message']}"
     )
+
+
+def test_a_chat_template_from_the_spec_serves_a_forced_tool_call_through_the_endpoint(
+    kube: Kubectl, operator: OperatorHandle, real_pods_namespace: str, real_nodes: frozenset[str]
+) -> None:
+    """`runtime.chatTemplate` on a kubelet: the operator's ConfigMap is mounted, the worker reads it with
+    --chat-template, and a tool call forced by `tool_choice` comes back through the router."""
+    from pathlib import Path
+
+    import sovereign_runtime.builtin
+    from sovereign_runtime.tokenizer import Tokenizer
+
+    ns = real_pods_namespace
+    own = Tokenizer.from_dir(Path(sovereign_runtime.builtin.__file__).parent / "sovereign-tiny").chat_template
+    assert own is not None and "{{ bos_token }}{{ ns.system }}" in own
+    # The built-in model's own template, plus a line listing the tools (its own renders none).
+    template = own.replace(
+        "{{ bos_token }}{{ ns.system }}",
+        "{{ bos_token }}{{ ns.system }}{% for t in tools or [] %}{{ t['function']['name'] }}\n{% endfor %}",
+    )
+    kube.apply(llmd("tools", tiny_spec(chatTemplate=template)), namespace=ns)
+    obj = wait_ready(kube, operator, ns, "tools", timeout=READY_TIMEOUT)
+    stored = kube.get("configmap", "-n", ns, "tools-chat-template")
+    assert stored["data"] == {"chat_template.jinja": template}
+    (worker,) = worker_pods(kube, ns, "tools")
+    args = worker["spec"]["containers"][0]["args"]
+    assert args[args.index("--chat-template") + 1] == "/etc/sovereign/chat-template/chat_template.jinja"
+
+    clock = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    service, port = endpoint_service(obj)
+    with port_forward(kube, ns, service, port) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
+        wait_for_server(client)
+        resp = client.chat.completions.create(
+            model=obj["spec"]["model"]["name"],
+            messages=[{"role": "user", "content": "What time is it?"}],
+            tools=[clock],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            temperature=0,
+            max_tokens=64,
+        )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_time"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")  # type: ignore[union-attr]

@@ -115,7 +115,7 @@ class FakeKube:
     async def prune(
         self, namespace: str, instance: str, owner_uid: str, keep: set[tuple[str, str]]
     ) -> list[str]:
-        kinds = ("StatefulSet", "LeaderWorkerSet", "Service", "PodDisruptionBudget")
+        kinds = ("StatefulSet", "LeaderWorkerSet", "Service", "PodDisruptionBudget", "ConfigMap")
         gone = [key for key in self.children if key[0] in kinds]
         gone = [key for key in gone if key not in keep]
         for key in gone:

@@ -237,6 +237,25 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "remove them from runtime.args",
     ),
     (
+        "chat template",
+        with_changes(
+            DEEPSEEK_SPEC, runtime__chatTemplate="{{ messages }}", runtime__args=["--max-num-seqs", "8"]
+        ),
+        None,
+    ),
+    (
+        "chat template twice",
+        with_changes(
+            DEEPSEEK_SPEC, runtime__chatTemplate="{{ messages }}", runtime__args=["--chat-template=/t"]
+        ),
+        "remove it from runtime.args",
+    ),
+    (
+        "chat template flag alone",
+        with_changes(DEEPSEEK_SPEC, runtime__args=["--chat-template", "/models/t.jinja"]),
+        None,
+    ),
+    (
         "speculative flags in args alone",
         with_changes(DEEPSEEK_SPEC, runtime__args=["--speculative-algorithm", "mtp"]),
         None,

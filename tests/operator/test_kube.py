@@ -70,8 +70,10 @@ async def _with_fake_apiserver(
     pods: list[dict[str, Any]] | None = None,
     cache: ClusterCache | None = None,
     objects: dict[str, dict[str, Any]] | None = None,
+    config_maps: list[dict[str, Any]] | None = None,
 ) -> None:
-    """`objects`: what a GET of one object's path answers (others: lists answer empty)."""
+    """`objects`: what a GET of one object's path answers (others: lists answer empty); `config_maps`:
+    what the namespace's ConfigMap list answers."""
     requests: list[dict[str, Any]] = []
 
     async def handle(request: web.Request) -> web.Response:
@@ -132,6 +134,8 @@ async def _with_fake_apiserver(
             return _json(_list("Event", "v1", [CLAIM_EVENT]))
         if path == "/api/v1/namespaces/ns/pods" and pods is not None:
             return _json(_list("Pod", "v1", pods))
+        if path == "/api/v1/namespaces/ns/configmaps" and config_maps is not None:
+            return _json(_list("ConfigMap", "v1", config_maps))
         if path == "/apis/apps/v1/namespaces/ns/statefulsets":
             return _json(_list("StatefulSet", "apps/v1", [STATEFULSET]))
         if request.method == "GET" and path.startswith("/apis/sovereign.ai/"):
@@ -228,6 +232,26 @@ def test_prune_deletes_only_owned_children_not_rendered() -> None:
         assert [r["path"] for r in deletes] == ["/apis/apps/v1/namespaces/ns/statefulsets/llm-unified"]
 
     asyncio.run(_with_fake_apiserver(scenario))
+
+
+def test_prune_deletes_the_chat_template_config_map_once_it_is_not_rendered() -> None:
+    def config_map(name: str, owner: str) -> dict[str, Any]:
+        owners = [{**STATEFULSET["metadata"]["ownerReferences"][0], "uid": owner}]  # type: ignore[index]
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": "ns", "ownerReferences": owners},
+        }
+
+    maps = [config_map("llm-runtime", "u1"), config_map("llm-chat-template", "u1"), config_map("mine", "x")]
+
+    async def scenario(kube: Kube, requests: list[dict[str, Any]]) -> None:
+        keep = {("StatefulSet", "llm-unified"), ("ConfigMap", "llm-runtime")}
+        assert await kube.prune("ns", "llm", "u1", keep) == ["ConfigMap/llm-chat-template"]
+        deletes = [r["path"] for r in requests if r["method"] == "DELETE"]
+        assert deletes == ["/api/v1/namespaces/ns/configmaps/llm-chat-template"]
+
+    asyncio.run(_with_fake_apiserver(scenario, config_maps=maps))
 
 
 def test_status_is_a_merge_patch_on_the_subresource_with_a_precondition() -> None:

@@ -72,6 +72,23 @@ def test_spec_change_to_disaggregated_applies_and_prunes_the_unified_pool() -> N
     asyncio.run(scenario())
 
 
+def test_removing_the_chat_template_prunes_its_config_map() -> None:
+    kube = FakeKube(body_for(with_changes(TINY_SPEC, runtime__chatTemplate="{{ messages }}")))
+    reconciler = Reconciler(kube, clock=_clock)
+
+    async def scenario() -> None:
+        await reconciler.reconcile(kube.body)
+        assert ("ConfigMap", "llm-chat-template") in kube.children
+        kube.body["spec"] = copy.deepcopy(TINY_SPEC)
+        kube.body["metadata"]["generation"] = 2
+        await reconciler.reconcile(kube.body)
+        assert ("ConfigMap", "llm-chat-template") not in kube.children
+        assert ("ConfigMap", "llm-runtime") in kube.children
+        assert kube.deleted == ["ConfigMap/llm-chat-template"]
+
+    asyncio.run(scenario())
+
+
 def test_a_spec_change_that_renders_the_same_children_is_observed_in_status() -> None:
     """A new generation whose children are unchanged (here: the runtime image set to the one the
     operator uses anyway, as e2e/kind/up.sh does right after creating the object) writes nothing to

@@ -591,3 +591,48 @@ def test_decode_speculative_renders_the_flags_on_decode_only() -> None:
     args = _container(sts)["args"]
     i = args.index("--speculative-algorithm")
     assert args[i : i + 4] == ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "1"]
+
+
+def test_chat_template_is_a_config_map_the_workers_mount_and_read() -> None:
+    from sovereign_operator.render.children import SETTINGS_HASH_ANNOTATION
+    from sovereign_runtime.program import build_parser
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    plain = _render(DEEPSEEK_SPEC)
+    rendered = _render(with_changes(DEEPSEEK_SPEC, runtime__chatTemplate=template))
+    assert _one(rendered, "ConfigMap", "llm-chat-template")["data"] == {"chat_template.jinja": template}
+    for name in ("llm-prefill", "llm-decode"):
+        sts = _one(rendered, "StatefulSet", name)
+        container = _container(sts)
+        assert _arg(container, "--chat-template") == "/etc/sovereign/chat-template/chat_template.jinja"
+        mount = {"name": "chat-template", "mountPath": "/etc/sovereign/chat-template", "readOnly": True}
+        assert mount in container["volumeMounts"]
+        volume = {"name": "chat-template", "configMap": {"name": "llm-chat-template"}}
+        assert volume in sts["spec"]["template"]["spec"]["volumes"]
+        # The runtime's own parser takes the rendered flags.
+        parsed = build_parser().parse_args(container["args"])
+        assert str(parsed.chat_template) == "/etc/sovereign/chat-template/chat_template.jinja"
+    # Without it: no ConfigMap, no flag, no volume.
+    assert not [c for c in plain.children if c["metadata"]["name"] == "llm-chat-template"]
+    decode = _one(plain, "StatefulSet", "llm-decode")
+    assert "--chat-template" not in _container(decode)["args"]
+    assert all(v["name"] != "chat-template" for v in decode["spec"]["template"]["spec"]["volumes"])
+
+    # The pods roll when the template changes: they read it once, at start.
+    def settings(r: Rendered) -> str:
+        annotations = _one(r, "StatefulSet", "llm-decode")["spec"]["template"]["metadata"]["annotations"]
+        return str(annotations[SETTINGS_HASH_ANNOTATION])
+
+    edited = _render(with_changes(DEEPSEEK_SPEC, runtime__chatTemplate=template + "\n"))
+    assert len({settings(plain), settings(rendered), settings(edited)}) == 3
+
+
+def test_a_multi_node_pool_mounts_the_chat_template_too() -> None:
+    spec = with_changes(DEEPSEEK_SPEC, decode__nodesPerReplica=2, runtime__chatTemplate="{{ messages }}")
+    rendered = _render(spec)
+    groups = [c for c in rendered.children if c["kind"] == "LeaderWorkerSet"]
+    assert groups
+    for lws in groups:
+        leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+        assert "--chat-template" in leader["spec"]["containers"][0]["args"]
+        assert any(v["name"] == "chat-template" for v in leader["spec"]["volumes"])

@@ -33,6 +33,8 @@ Precision = Literal["fp8", "bf16", "fp32"]
 # Every integer the CRD stores is an int32 in the apiserver's eyes unless bounded lower.
 INT32_MAX = 2**31 - 1
 MAX_POOL_REPLICAS = 1024
+# A chat template's characters: DeepSeek's are under 5000; 4 bytes each stays far inside a ConfigMap's 1 MiB.
+MAX_CHAT_TEMPLATE_CHARS = 128 * 1024
 
 # A non-negative Kubernetes quantity: "500m", "16Gi", "1.5", "1e3" or a plain integer (no sign).
 QUANTITY_PATTERN = r"^([0-9]+([.][0-9]*)?|[.][0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
@@ -332,6 +334,14 @@ class RuntimeSpec(ApiModel):
         None, description="gpu requests nvidia.com/gpu = tensorParallelSize; default gpu, cpu for builtin."
     )
     args: list[str] = Field(default_factory=list, max_length=128, description="Extra `serve` arguments.")
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="A Jinja chat template the workers use in place of the model's own (`serve"
+        " --chat-template`), for example one that writes `tools` into the prompt: DeepSeek-V3's own"
+        " template does not. Kept in a ConfigMap; the pools roll when it changes.",
+    )
     env: list[EnvVar] = Field(
         default_factory=list, max_length=128, description="Extra environment variables of every worker pod."
     )
@@ -728,6 +738,15 @@ class LLMDeploymentSpec(ApiModel):
                 s.decode is None
                 or s.decode.speculative is None
                 or not any(a.startswith("--speculative-") for a in s.runtime.args)
+            ),
+        ),
+        CrossFieldRule(
+            cel="!has(self.runtime) || !has(self.runtime.chatTemplate) || !has(self.runtime.args)"
+            " || !self.runtime.args.exists(a, a == '--chat-template' || a.startsWith('--chat-template='))",
+            message="runtime.chatTemplate renders the --chat-template flag: remove it from runtime.args",
+            holds=lambda s: (
+                s.runtime.chat_template is None
+                or not any(a == "--chat-template" or a.startswith("--chat-template=") for a in s.runtime.args)
             ),
         ),
         CrossFieldRule(

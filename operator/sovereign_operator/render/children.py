@@ -50,6 +50,7 @@ from sovereign_operator.vocabulary import (
     MANAGED_BY_LABEL,
     NAME_LABEL,
     RUNTIME_PORT,
+    chat_template_name,
     config_name,
     group_set_name,
     pool_name,
@@ -59,6 +60,8 @@ from sovereign_operator.vocabulary import (
 # The decode role's KV receiver (`serve --kv-port`, default 8001); prefill instances dial the pod IP.
 KV_PORT = 8001
 MODEL_MOUNT = "/models"
+CHAT_TEMPLATE_MOUNT = "/etc/sovereign/chat-template"
+CHAT_TEMPLATE_KEY = "chat_template.jinja"
 JIT_CACHE_MOUNT = "/var/cache/sovereign/jit"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SETTINGS_HASH_ANNOTATION = "sovereign.ai/settings-hash"
@@ -287,6 +290,8 @@ def _runtime_args(spec: LLMDeploymentSpec, component: Component, plan: ModePlan,
         args += ["--drain-timeout", str(spec.runtime.drain_timeout_seconds)]
     if plan.kv_transport is not None:
         args += ["--kv-transport", plan.kv_transport]
+    if spec.runtime.chat_template is not None:
+        args += ["--chat-template", f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_KEY}"]
     return args + speculative_args(spec, component) + list(spec.runtime.args)
 
 
@@ -362,6 +367,9 @@ def _worker_pod_template(
     if model_volume is not None:
         mounts.insert(0, {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.insert(0, model_volume)
+    if spec.runtime.chat_template is not None:
+        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True})
+        volumes.append({"name": "chat-template", "configMap": {"name": chat_template_name(ref.name)}})
 
     # The profile its starts are samples of, and whether its probe's budget was learned.
     annotations = {
@@ -448,6 +456,15 @@ def _config_map(ref: DeploymentRef, spec: LLMDeploymentSpec, plan: ModePlan) -> 
         "kind": "ConfigMap",
         "metadata": _metadata(ref, config_name(ref.name), "config"),
         "data": _sorted(data),
+    }
+
+
+def _chat_template_config_map(ref: DeploymentRef, template: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ref, chat_template_name(ref.name), "config"),
+        "data": {CHAT_TEMPLATE_KEY: template},
     }
 
 
@@ -730,10 +747,15 @@ def render(
     formula = group_budget(startup_budget(spec, measured), widest)
     budget = budget or formula
     config = _config_map(ref, spec, plan)
-    # Pods roll when the settings they read from the ConfigMap change.
-    settings_hash = hashlib.sha256(json.dumps(config["data"], sort_keys=True).encode()).hexdigest()[:16]
+    configs = [config]
+    settings = config["data"]
+    if spec.runtime.chat_template is not None:
+        configs.append(_chat_template_config_map(ref, spec.runtime.chat_template))
+        settings = {**settings, CHAT_TEMPLATE_KEY: spec.runtime.chat_template}
+    # Pods roll when what they read from the ConfigMaps changes (settings, the chat template).
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
-    children: list[dict[str, Any]] = [config, *_router_rbac(ref)]
+    children: list[dict[str, Any]] = [*configs, *_router_rbac(ref)]
     for component, count in replicas.items():
         pool = pool_spec_for(spec, component)
         children.append(_headless_service(ref, component, leaders_only=pool.multi_node))
