@@ -246,3 +246,29 @@ def test_auto_tool_choice_serves_a_model_that_answers_in_text(tool_client: opena
     resp = ask(tool_client, max_tokens=12, extra_body={"ignore_eos": True})
     assert resp.choices[0].finish_reason == "length" and not resp.choices[0].message.tool_calls
     assert resp.usage is not None and resp.usage.completion_tokens == 12
+
+
+def test_n_choices_from_the_real_engine(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "pick"}]
+    greedy = client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, temperature=0, max_tokens=6, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+    def sampled() -> list[str]:
+        resp = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            n=3,
+            temperature=1,
+            seed=11,
+            max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )
+        assert resp.usage is not None and resp.usage.completion_tokens == 24
+        return [c.message.content or "" for c in resp.choices]
+
+    first = sampled()
+    # Seeded choices differ from each other and repeat exactly.
+    assert len(set(first)) == 3 and sampled() == first

@@ -286,7 +286,9 @@ COMP = "/v1/completions"
         (CHAT, chat_body(seed="x"), 400, "seed"),
         (CHAT, chat_body(stop=5), 400, "stop"),
         (CHAT, chat_body(stream="yes"), 400, "stream"),
-        (CHAT, chat_body(n=2), 400, "n"),
+        (CHAT, chat_body(n=17), 400, "n"),
+        (CHAT, chat_body(n=0), 400, "n"),
+        (COMP, {"prompt": ["a"] * 9, "n": 8}, 400, "n"),
         (CHAT, chat_body(top_logprobs=3), 400, "top_logprobs"),
         (CHAT, chat_body(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
         (CHAT, chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
@@ -627,3 +629,55 @@ def test_drain_is_bounded_by_the_timeout(engine: FakeEngine, tokenizer: Tokenize
         srv.close()
     # Shutting the server down cancelled the handler, which aborted the request in the engine.
     _wait(lambda: len(engine.aborted) == 1 and not engine.active)
+
+
+# ---- n: several choices per prompt ------------------------------------------------------------------
+
+
+def test_chat_n_choices_are_separate_requests_and_usage_counts_the_prompt_once(
+    server: LiveServer, engine: FakeEngine
+) -> None:
+    status, body = server.request("POST", "/v1/chat/completions", chat_body(n=3, seed=5))
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "The answer is 4 é!" for c in body["choices"])
+    # Seeded: each choice its own seed, counting up, so they differ and each is reproducible.
+    assert [p.seed for p in engine.seen_params] == [5, 6, 7]
+    assert len(engine.seen_prompts) == 3 and len({tuple(p) for p in engine.seen_prompts}) == 1
+    prompt = len(engine.seen_prompts[0])
+    one = len(engine.script) + 1
+    assert body["usage"]["prompt_tokens"] == prompt
+    assert body["usage"]["completion_tokens"] == 3 * one
+    assert not engine.active  # all three ended
+
+
+def test_chat_n_streams_every_choice_by_index(server: LiveServer) -> None:
+    events = server.stream(
+        "/v1/chat/completions", chat_body(n=2, stream=True, stream_options={"include_usage": True})
+    )
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content") or "" for c in mine) == "The answer is 4 é!"
+        assert "".join(c["delta"].get("reasoning_content") or "" for c in mine) == "2+2=4"
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["stop"]
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 2 * (usage["completion_tokens"] // 2) > 0
+
+
+def test_completion_n_choices_follow_their_prompts(server: LiveServer, engine: FakeEngine) -> None:
+    status, body = server.request(
+        "POST", "/v1/completions", {"prompt": ["ab", "xyz"], "n": 2, "max_tokens": 3}
+    )
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    # Choice index = prompt index x n + j: the first two answer "ab", the next two "xyz".
+    assert [len(p) for p in engine.seen_prompts] == [2, 2, 3, 3]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 12
+    events = server.stream(
+        "/v1/completions", {"prompt": ["ab", "xyz"], "n": 2, "max_tokens": 3, "stream": True}
+    )
+    finishes = sorted(e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"])
+    assert finishes == [0, 1, 2, 3]

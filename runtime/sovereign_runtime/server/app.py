@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +21,14 @@ from ..engine.sampling import SamplingDefaults, SamplingParams
 from ..read_deadlines import DeadlineGuard, ReadDeadlines
 from ..tokenizer import THINK_START, ChatTemplateError, ReasoningParser
 from .edge import PARSE_INLINE_BYTES, check_prompt_size, parse_body, text_bytes
-from .generation import Step, collect, run_request
+from .generation import Step, collect, merged, run_request
 from .metrics import ServerMetrics
 from .output_health import OutputHealthMonitor
 from .protocol import (
     APIError,
     ChatRequest,
     SamplingRequest,
+    choice_params,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
@@ -481,26 +482,33 @@ class _Api:
         # trace (response_format, a forced tool call): all of that output is the answer.
         started_thinking = params.json_schema is None and prompt_text.rstrip().endswith(THINK_START)
         rid = _new_id("chatcmpl")
-        steps = run_request(
-            rt.engine,
-            rt.tokenizer,
-            self.server_metrics,
-            prompt_ids,
-            params,
-            req.sampling.stop,
-            rid,
-            req.sampling.param_names,
-            self._timeout_s(req.sampling),
-            keep_ids,
-        )
+        choices = choice_params(params, req.sampling.n)
+        streams = [
+            run_request(
+                rt.engine,
+                rt.tokenizer,
+                self.server_metrics,
+                prompt_ids,
+                choice,
+                req.sampling.stop,
+                rid if len(choices) == 1 else f"{rid}-{j}",
+                req.sampling.param_names,
+                self._timeout_s(req.sampling),
+                keep_ids,
+            )
+            for j, choice in enumerate(choices)
+        ]
+        outputs = [tool_output] + [tool_output.fresh() for _ in choices[1:]]
         self.state.request_started()
         try:
-            async with aclosing(steps):
+            async with AsyncExitStack() as stack:
+                for stream in streams:
+                    await stack.enter_async_context(aclosing(stream))
                 if req.stream:
                     return await self._chat_stream(
-                        request, rt, req.include_usage, steps, rid, started_thinking, tool_output
+                        request, rt, req.include_usage, streams, rid, started_thinking, outputs
                     )
-                return await self._chat_full(rt, steps, rid, started_thinking, tool_output)
+                return await self._chat_full(rt, streams, rid, started_thinking, outputs)
         finally:
             self.state.request_finished()
 
@@ -551,71 +559,79 @@ class _Api:
     async def _chat_full(
         self,
         rt: LoadedRuntime,
-        steps: AsyncIterator[Step],
+        streams: list[AsyncIterator[Step]],
         rid: str,
         started_thinking: bool,
-        tools: ToolChoiceOutput,
+        outputs: list[ToolChoiceOutput],
     ) -> web.Response:
-        outcome = await collect(steps)
-        reasoning, text = ReasoningParser.split(outcome.text, started_thinking)
-        content, _ = tools.feed(text)
-        rest, _, finish = tools.finish(outcome.last.finish_reason or "stop")
-        content += rest
-        calls = [c.body() for c in tools.calls]
-        logprobs = chat_logprobs(rt.tokenizer, outcome.logprobs)
-        # A turn that only calls tools has null content, as OpenAI's.
-        message_content = None if calls and not content.strip() else content
-        choice = chat_message_choice(message_content, reasoning, logprobs, finish, calls)
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        choices = []
+        for index, (outcome, tools) in enumerate(zip(results, outputs, strict=True)):
+            reasoning, text = ReasoningParser.split(outcome.text, started_thinking)
+            content, _ = tools.feed(text)
+            rest, _, finish = tools.finish(outcome.last.finish_reason or "stop")
+            content += rest
+            calls = [c.body() for c in tools.calls]
+            logprobs = chat_logprobs(rt.tokenizer, outcome.logprobs)
+            # A turn that only calls tools has null content, as OpenAI's.
+            message_content = None if calls and not content.strip() else content
+            choices.append(chat_message_choice(message_content, reasoning, logprobs, finish, calls, index))
         envelope = self._envelope(rid, "chat.completion")
-        return _json(envelope.body([choice], usage=usage([outcome.last])))
+        return _json(envelope.body(choices, usage=usage((r.last for r in results), len(results))))
 
     async def _chat_stream(
         self,
         request: web.Request,
         rt: LoadedRuntime,
         include_usage: bool,
-        steps: AsyncIterator[Step],
+        streams: list[AsyncIterator[Step]],
         rid: str,
         started_thinking: bool,
-        tools: ToolChoiceOutput,
+        outputs: list[ToolChoiceOutput],
     ) -> web.StreamResponse:
         resp = await self._open_stream(request)
         envelope = self._envelope(rid, "chat.completion.chunk")
-        parser = ReasoningParser(started_thinking)
+        parsers = [ReasoningParser(started_thinking) for _ in streams]
         no_usage_yet = {"usage": None} if include_usage else {}
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-            return sse(envelope.body([chat_delta_choice(delta, finish, logprobs)], **no_usage_yet))
+        def chunk(
+            index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+        ) -> bytes:
+            return sse(envelope.body([chat_delta_choice(delta, finish, logprobs, index)], **no_usage_yet))
 
-        await resp.write(chunk({"role": "assistant", "content": ""}))
-        last: Step | None = None
+        for index in range(len(streams)):
+            await resp.write(chunk(index, {"role": "assistant", "content": ""}))
+        finals: dict[int, Step] = {}
         try:
-            async for step in steps:
-                last = step
-                reasoning, text = parser.feed(step.text)
-                finish = step.finish_reason
-                if finish is not None:
-                    r2, c2 = parser.flush()
-                    reasoning, text = reasoning + r2, text + c2
-                content, calls = tools.feed(text)
-                if finish is not None:
-                    rest, more, finish = tools.finish(finish)
-                    content, calls = content + rest, calls + more
-                logprobs = chat_logprobs(rt.tokenizer, step.logprobs)
-                if reasoning:
-                    await resp.write(chunk({"reasoning_content": reasoning}))
-                if content or (logprobs and not calls):
-                    await resp.write(chunk({"content": content}, logprobs=logprobs))
-                    logprobs = None
-                if calls:
-                    await resp.write(chunk({"tool_calls": calls}, logprobs=logprobs))
-                if finish is not None:
-                    await resp.write(chunk({}, finish=finish))
+            async with aclosing(merged(streams)) as events:
+                async for index, step in events:
+                    finals[index] = step
+                    parser, tools = parsers[index], outputs[index]
+                    reasoning, text = parser.feed(step.text)
+                    finish = step.finish_reason
+                    if finish is not None:
+                        r2, c2 = parser.flush()
+                        reasoning, text = reasoning + r2, text + c2
+                    content, calls = tools.feed(text)
+                    if finish is not None:
+                        rest, more, finish = tools.finish(finish)
+                        content, calls = content + rest, calls + more
+                    logprobs = chat_logprobs(rt.tokenizer, step.logprobs)
+                    if reasoning:
+                        await resp.write(chunk(index, {"reasoning_content": reasoning}))
+                    if content or (logprobs and not calls):
+                        await resp.write(chunk(index, {"content": content}, logprobs=logprobs))
+                        logprobs = None
+                    if calls:
+                        await resp.write(chunk(index, {"tool_calls": calls}, logprobs=logprobs))
+                    if finish is not None:
+                        await resp.write(chunk(index, {}, finish=finish))
         except Exception as exc:
             await self._stream_error(resp, exc)
             return resp
-        if include_usage and last is not None:
-            await resp.write(sse(envelope.body([], usage=usage([last]))))
+        if include_usage and finals:
+            ordered = [finals[i] for i in sorted(finals)]
+            await resp.write(sse(envelope.body([], usage=usage(ordered, len(ordered)))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp
@@ -669,18 +685,15 @@ class _Api:
             max_tokens = resolve_max_tokens(
                 req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
             )
-            jobs.append(
-                (
-                    ids,
-                    sampling_params(
-                        req.sampling,
-                        max_tokens,
-                        rt.tokenizer.vocab_size,
-                        self.config.repetition_window,
-                        self.config.sampling_defaults,
-                    ),
-                )
+            params = sampling_params(
+                req.sampling,
+                max_tokens,
+                rt.tokenizer.vocab_size,
+                self.config.repetition_window,
+                self.config.sampling_defaults,
             )
+            # A prompt's n choices are consecutive: choice index = prompt index x n + j, as OpenAI's.
+            jobs += [(ids, choice) for choice in choice_params(params, req.sampling.n)]
         rid = _new_id("cmpl")
         self.state.request_started()
         try:
@@ -702,9 +715,9 @@ class _Api:
                 prompt_ids = [ids for ids, _ in jobs] if req.return_token_ids else None
                 if req.stream:
                     return await self._completion_stream(
-                        request, rt, req.include_usage, streams, rid, prompt_ids
+                        request, rt, req.include_usage, streams, rid, prompt_ids, req.sampling.n
                     )
-                return await self._completion_full(rt, streams, rid, prompt_ids)
+                return await self._completion_full(rt, streams, rid, prompt_ids, req.sampling.n)
             finally:
                 for s in streams:
                     await s.aclose()
@@ -717,6 +730,7 @@ class _Api:
         streams: list[AsyncIterator[Step]],
         rid: str,
         prompt_ids: list[list[int]] | None,
+        n: int,
     ) -> web.Response:
         results = await asyncio.gather(*(collect(s) for s in streams))
         choices = [
@@ -727,7 +741,7 @@ class _Api:
             for choice, ids, r in zip(choices, prompt_ids, results, strict=True):
                 choice.update(prompt_token_ids=ids, token_ids=r.token_ids)
         envelope = self._envelope(rid, "text_completion")
-        return _json(envelope.body(choices, usage=usage(r.last for r in results)))
+        return _json(envelope.body(choices, usage=usage((r.last for r in results), n)))
 
     async def _completion_stream(
         self,
@@ -737,52 +751,34 @@ class _Api:
         streams: list[AsyncIterator[Step]],
         rid: str,
         prompt_ids: list[list[int]] | None,
+        n: int,
     ) -> web.StreamResponse:
         resp = await self._open_stream(request)
         envelope = self._envelope(rid, "text_completion")
         no_usage_yet = {"usage": None} if include_usage else {}
-        queue: asyncio.Queue[tuple[int, Step | None]] = asyncio.Queue()
-
-        async def pump(i: int, stream: AsyncIterator[Step]) -> None:
-            try:
-                async for step in stream:
-                    await queue.put((i, step))
-            finally:
-                await queue.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         finals: dict[int, Step] = {}
         prompt_ids_sent: set[int] = set()
         try:
-            remaining = len(tasks)
-            while remaining:
-                i, step = await queue.get()
-                if step is None:
-                    remaining -= 1
-                    continue
-                finals[i] = step
-                empty = not step.text and step.finish_reason is None and not step.logprobs
-                if empty and (prompt_ids is None or not step.token_ids):
-                    continue
-                choice = completion_choice(rt.tokenizer, i, step.text, step.logprobs, step.finish_reason)
-                if prompt_ids is not None:
-                    # As vLLM streams them: the prompt's ids in a choice's first chunk, each chunk its new ids.
-                    choice["token_ids"] = step.token_ids
-                    if i not in prompt_ids_sent:
-                        prompt_ids_sent.add(i)
-                        choice["prompt_token_ids"] = prompt_ids[i]
-                await resp.write(sse(envelope.body([choice], **no_usage_yet)))
-            for t in tasks:
-                t.result()  # surface an engine error
+            async with aclosing(merged(streams)) as events:
+                async for i, step in events:
+                    finals[i] = step
+                    empty = not step.text and step.finish_reason is None and not step.logprobs
+                    if empty and (prompt_ids is None or not step.token_ids):
+                        continue
+                    choice = completion_choice(rt.tokenizer, i, step.text, step.logprobs, step.finish_reason)
+                    if prompt_ids is not None:
+                        # As vLLM streams them: the prompt's ids in a choice's first chunk, each chunk its new ids.
+                        choice["token_ids"] = step.token_ids
+                        if i not in prompt_ids_sent:
+                            prompt_ids_sent.add(i)
+                            choice["prompt_token_ids"] = prompt_ids[i]
+                    await resp.write(sse(envelope.body([choice], **no_usage_yet)))
         except Exception as exc:
             await self._stream_error(resp, exc)
             return resp
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
         if include_usage:
-            await resp.write(sse(envelope.body([], usage=usage(finals.values()))))
+            ordered = [finals[i] for i in sorted(finals)]
+            await resp.write(sse(envelope.body([], usage=usage(ordered, n))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp

@@ -57,6 +57,39 @@ async def collect(steps: AsyncIterator[Step]) -> Outcome:
     return Outcome("".join(text), logprobs, last, token_ids)
 
 
+async def merged(streams: Sequence[AsyncIterator[Step]]) -> AsyncIterator[tuple[int, Step]]:
+    """The steps of several requests as they arrive, each with its request's index (``n`` choices, a list
+    of prompts). An error in one is raised once all have ended; closing this stops them all."""
+    if len(streams) == 1:
+        async for step in streams[0]:
+            yield 0, step
+        return
+    queue: asyncio.Queue[tuple[int, Step | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Step]) -> None:
+        try:
+            async for step in stream:
+                await queue.put((i, step))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, step = await queue.get()
+            if step is None:
+                remaining -= 1
+                continue
+            yield i, step
+        for task in tasks:
+            task.result()  # surface an engine error
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _user_errors(
     gen: AsyncIterator[RequestOutput],
     param_names: Mapping[str, str],

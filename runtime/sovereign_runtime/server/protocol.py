@@ -9,6 +9,7 @@ engine-side field, mapped here to the OpenAI parameter the client sent. Every us
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -17,10 +18,11 @@ from typing import Any
 
 from ..engine.api import InvalidRequest
 from ..engine.grammar import JSON_OBJECT_SCHEMA
-from ..engine.sampling import SamplingDefaults, SamplingParams
+from ..engine.sampling import SEED_LIMIT, SamplingDefaults, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
+MAX_CHOICES = 16  # 'n': choices per prompt, each a request of its own (prompts x n at most MAX_PROMPTS)
 # Refused OpenAI fields: each answers a 400 that names the field and why it is refused.
 UNSUPPORTED_FIELDS = {
     "functions": "the deprecated 'functions' API is not supported; send 'tools'",
@@ -89,6 +91,7 @@ class SamplingRequest:
     stop_token_ids: Any = field(default_factory=list)  # SamplingParams checks the list
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: chosen token plus n alternatives
+    n: int = 1  # choices per prompt
     min_tokens: int = 0
     repetition_window: int | None = None  # None: the server's --repetition-window
     logit_bias: dict[str, Any] = field(default_factory=dict)  # SamplingParams checks keys and values
@@ -222,8 +225,10 @@ def _parse_sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     else:
         s.logprobs = _get_int(body, "logprobs")
     n = _get_int(body, "n")
-    if n is not None and n != 1:
-        raise _bad("n", f"only 'n': 1 is supported, got {n}", "unsupported_value")
+    if n is not None:
+        if not 1 <= n <= MAX_CHOICES:
+            raise _bad("n", f"'n' must be an integer in [1, {MAX_CHOICES}], got {n}")
+        s.n = n
     best_of = _get_int(body, "best_of")
     if best_of is not None and best_of != 1:
         raise _bad("best_of", "only 'best_of': 1 is supported", "unsupported_value")
@@ -536,10 +541,17 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     if body.get("suffix"):
         raise _bad("suffix", "'suffix' is not supported", "unsupported_value")
     stream, include_usage = _parse_stream(body)
+    sampling = _parse_sampling(body, chat=False)
+    if len(prompts) * sampling.n > MAX_PROMPTS:
+        raise _bad(
+            "n",
+            f"{len(prompts)} prompts x 'n' {sampling.n} = {len(prompts) * sampling.n} choices; one request"
+            f" takes at most {MAX_PROMPTS}",
+        )
     return CompletionRequest(
         model=_parse_model(body),
         prompts=prompts,
-        sampling=_parse_sampling(body, chat=False),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_get_bool(body, "return_token_ids"),
@@ -610,6 +622,14 @@ def sampling_params(
         return params
     except InvalidRequest as exc:
         raise request_error(exc, sampling.param_names) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One prompt's ``n`` choices: the same parameters, a seeded request's seed counting up from its own
+    so the choices differ and each is reproducible."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + j) % SEED_LIMIT) for j in range(n)]
 
 
 def request_error(exc: InvalidRequest, param_names: Mapping[str, str]) -> APIError:

@@ -43,16 +43,18 @@ def sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
-def usage(finals: Iterable[Step]) -> dict[str, Any]:
-    """Token counts over the last ``Step`` of each prompt of one response."""
+def usage(finals: Iterable[Step], choices_per_prompt: int = 1) -> dict[str, Any]:
+    """Token counts over the last ``Step`` of each choice of one response, in prompt order; a prompt's
+    ``n`` choices count its tokens once, as OpenAI's usage does."""
     steps = list(finals)
-    prompt = sum(s.prompt_tokens for s in steps)
+    firsts = steps[::choices_per_prompt]
+    prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(s.completion_tokens for s in steps)
     body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in steps)},
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},
     }
     verify = sum(s.spec_verify_steps for s in steps)
     if verify:
@@ -91,17 +93,21 @@ def chat_message_choice(
     logprobs: dict[str, Any] | None,
     finish: str | None,
     tool_calls: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_delta_choice(
-    delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
+    delta: dict[str, Any],
+    finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_choice(

@@ -284,12 +284,17 @@ class ToolChoiceOutput:
         if mode == "function" and not function:
             raise ValueError("a named tool_choice needs the function's name")
         self.mode = mode
+        self.fmt = fmt
         self.function = function
         self._make_id = make_id
         self._parser = ToolCallParser(fmt, make_id) if fmt is not None and mode == "auto" else None
         self._text: list[str] = []  # function / required: the constrained output so far
         self._call_id = make_id() if mode == "function" else ""
         self.calls: list[ToolCall] = []
+
+    def fresh(self) -> ToolChoiceOutput:
+        """Another choice of the same request (``n``): the same reading, its own state and call ids."""
+        return ToolChoiceOutput(self.mode, self.fmt, self.function, self._make_id)
 
     def feed(self, content: str) -> tuple[str, list[dict[str, Any]]]:
         if self.mode == "auto" and self._parser is not None:
