@@ -24,6 +24,20 @@ from tokenizers import Tokenizer as HFTokenizer
 THINK_START = "<think>"
 THINK_END = "</think>"
 _REPLACEMENT = "\ufffd"
+# What the server passes to every chat template (HF's names; ``apply_chat_template`` and
+# ``compile_chat_template``): a request's chat_template_kwargs cannot set them.
+TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 class ChatTemplateError(ValueError):
@@ -209,10 +223,14 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """Render and tokenise a conversation; the template already wrote BOS, so add no special tokens.
-        ``tools`` (OpenAI's tool objects) reach the template as HF's ``tools`` variable."""
-        extra = {} if tools is None else {"tools": tools}
+        ``tools`` (OpenAI's tool objects) reach the template as HF's ``tools`` variable;
+        ``template_kwargs`` are more variables (the request's ``chat_template_kwargs``)."""
+        extra = dict(template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return text, self.encode(text, add_special_tokens=False)
 

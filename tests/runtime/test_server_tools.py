@@ -509,3 +509,35 @@ def test_a_forced_call_is_not_read_as_reasoning_after_a_template_that_opens_it(t
         assert status == 200 and body["choices"][0]["message"]["content"] == '{"zone": "CET"}'
     finally:
         srv.close()
+
+
+# ---- chat_template_kwargs ---------------------------------------------------------------------------
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path: Path) -> None:
+    # DeepSeek-V3.1's template opens the reasoning trace when `thinking` is set.
+    template = TOOL_TEMPLATE.replace(
+        "{% if add_generation_prompt %}" + ASSISTANT,
+        "{% if add_generation_prompt %}"
+        + ASSISTANT
+        + "{% if thinking %}<think>{% else %}</think>{% endif %}",
+    )
+    tok = Tokenizer.from_dir(write_byte_tokenizer(tmp_path / "v31", template))
+    srv, engine = serve(tok, "step</think>done")
+    try:
+        status, body = srv.request(
+            "POST", "/v1/chat/completions", chat(chat_template_kwargs={"thinking": True})
+        )
+        assert status == 200, body
+        assert tok.decode(engine.seen_prompts[-1]).endswith("?\n<think>")
+        # The prompt opened the trace, so the answer is split as reasoning then content.
+        assert body["choices"][0]["message"]["reasoning_content"] == "step"
+        assert body["choices"][0]["message"]["content"] == "done"
+        status, body = srv.request("POST", "/v1/chat/completions", chat())
+        assert tok.decode(engine.seen_prompts[-1]).endswith("?\n</think>")
+        for bad, fragment in (({"messages": []}, "may not set ['messages']"), ([1], "must be an object")):
+            status, body = srv.request("POST", "/v1/chat/completions", chat(chat_template_kwargs=bad))
+            assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+            assert fragment in body["error"]["message"]
+    finally:
+        srv.close()

@@ -467,6 +467,7 @@ class _Api:
                 req.messages,
                 req.add_generation_prompt,
                 req.tools.tools if req.tools is not None else None,
+                req.template_kwargs,
             )
         except ChatTemplateError as exc:
             raise APIError(str(exc), param="messages", code="invalid_value") from None

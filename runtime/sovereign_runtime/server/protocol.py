@@ -19,6 +19,7 @@ from typing import Any
 from ..engine.api import InvalidRequest
 from ..engine.grammar import JSON_OBJECT_SCHEMA
 from ..engine.sampling import SEED_LIMIT, SamplingDefaults, SamplingParams
+from ..tokenizer import TEMPLATE_VARIABLES
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
@@ -129,6 +130,8 @@ class ChatRequest:
     include_usage: bool = False
     add_generation_prompt: bool = True
     tools: ToolRequest | None = None
+    # Extra variables for the chat template (vLLM's and SGLang's field), e.g. DeepSeek-V3.1's `thinking`.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -398,7 +401,29 @@ def parse_chat_request(body: Any) -> ChatRequest:
         include_usage=include_usage,
         add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
         tools=tools,
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
     )
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """``chat_template_kwargs``: more variables for the template; the ones the server sets are refused
+    rather than silently overridden (or silently overriding)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(
+            "chat_template_kwargs",
+            f"'chat_template_kwargs' must be an object of template variables, got {_type_name(value)}",
+            "invalid_type",
+        )
+    taken = sorted(set(value) & TEMPLATE_VARIABLES)
+    if taken:
+        raise _bad(
+            "chat_template_kwargs",
+            f"'chat_template_kwargs' may not set {taken}: the server sets them (send 'messages', 'tools'"
+            " or 'add_generation_prompt' as request fields)",
+        )
+    return dict(value)
 
 
 def _history_tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
