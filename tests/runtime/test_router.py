@@ -253,6 +253,8 @@ class StubWorker:
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.chat)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/tokenize", self.chat)
+        self.app.router.add_post("/detokenize", self.chat)
         self.app.router.add_get("/health/ready", self.ready)
         self.url = ""
 
@@ -311,6 +313,13 @@ def test_routes_and_streams_through_to_workers() -> None:
                 assert text.count("data: ") == 4 and text.endswith("data: [DONE]\n\n")
                 async with client.get(f"{url}/v1/models") as resp:
                     assert (await resp.json())["data"][0]["id"] == "tiny"
+                # vLLM's tokenizer endpoints go to a worker as they are.
+                for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+                    async with client.post(f"{url}{path}", json=body) as resp:
+                        assert resp.status == 200 and (await resp.json())["worker"] in ("a", "b")
+                assert {"prompt": "x"} in a.requests + b.requests and {
+                    "tokens": [1]
+                } in a.requests + b.requests
 
     run(scenario())
 

@@ -681,3 +681,48 @@ def test_completion_n_choices_follow_their_prompts(server: LiveServer, engine: F
     )
     finishes = sorted(e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"])
     assert finishes == [0, 1, 2, 3]
+
+
+# ---- /tokenize and /detokenize -------------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_round_trip(server: LiveServer, tokenizer: Tokenizer) -> None:
+    status, body = server.request("POST", "/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert status == 200, body
+    assert body["tokens"] == tokenizer.encode("héllo") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_LEN
+    status, back = server.request("POST", "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back == {"prompt": "héllo"}
+    # A chat is rendered by the template exactly as /v1/chat/completions renders it.
+    status, body = server.request("POST", "/tokenize", {"messages": chat_body()["messages"]})
+    assert status == 200 and body["tokens"] == tokenizer.encode_chat(chat_body()["messages"])[1]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "b"}]}, "messages[0].role"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ],
+)
+def test_tokenize_errors_name_the_field(
+    server: LiveServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    status, answer = server.request("POST", path, body)
+    assert status in (400, 404) and answer["error"]["param"] == param, answer
+
+
+def test_tokenize_needs_the_api_key(engine: FakeEngine, tokenizer: Tokenizer) -> None:
+    srv = _serve(engine, tokenizer, api_key="k")
+    try:
+        assert srv.request("POST", "/tokenize", {"prompt": "a"})[0] == 401
+        assert srv.request("POST", "/detokenize", {"tokens": [1]})[0] == 401
+        ok = srv.request("POST", "/tokenize", {"prompt": "a"}, headers={"Authorization": "Bearer k"})
+        assert ok[0] == 200
+    finally:
+        srv.close()

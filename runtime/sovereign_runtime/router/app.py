@@ -354,6 +354,12 @@ class Router:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy_generation(request, "/v1/chat/completions")
 
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._forward(request, "/tokenize", await request.read(), None, "POST")
+
+    async def detokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._forward(request, "/detokenize", await request.read(), None, "POST")
+
     async def _proxy_generation(self, request: web.Request, path: str) -> web.StreamResponse:
         body = await request.read()
         payload, problem = parse_json_object(body)
@@ -560,6 +566,8 @@ def create_app(router: Router) -> web.Application:
     app.router.add_get("/v1/models", router.models)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat_completions)
+    app.router.add_post("/tokenize", router.tokenize)
+    app.router.add_post("/detokenize", router.detokenize)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     return app

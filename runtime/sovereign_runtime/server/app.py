@@ -31,6 +31,8 @@ from .protocol import (
     choice_params,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
     resolve_max_tokens,
     sampling_params,
 )
@@ -54,6 +56,7 @@ CONFIG = web.AppKey("config", "ServerConfig")
 METRICS = web.AppKey("metrics", ServerMetrics)
 LOADER = web.AppKey("loader", object)
 DEADLINE_GUARD = web.AppKey("deadline_guard", DeadlineGuard)
+KEYED_PATHS = frozenset({"/drain", "/tokenize", "/detokenize"})  # beside /v1/*: need the API key
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 
 
@@ -147,8 +150,9 @@ def _auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable
 
     @web.middleware
     async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        # Probes and scrapes stay open; the API and the drain switch need the key.
-        if request.path.startswith("/v1/") or request.path == "/drain":
+        # Probes and scrapes stay open; the API (tokenizing too: it costs CPU) and the drain switch need
+        # the key.
+        if request.path.startswith("/v1/") or request.path in KEYED_PATHS:
             # Undecodable header bytes arrive as surrogate escapes: compare them as the bytes they were.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
@@ -203,6 +207,8 @@ def create_app(
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
     app.on_cleanup.append(_close_runtime)
     return app
 
@@ -664,6 +670,41 @@ class _Api:
 
     def _envelope(self, rid: str, kind: str) -> Envelope:
         return Envelope(rid, kind, int(time.time()), self.config.served_model_name)
+
+    # ---- /tokenize, /detokenize (vLLM's) -------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        rt = self._runtime()
+        req = parse_tokenize_request(await self._body(request))
+        self._check_model(req.model)
+        if req.chat is not None:
+            chat = req.chat
+            contents = [m.get("content") for m in chat.messages]
+            size = text_bytes([c for c in contents if isinstance(c, str)])
+            check_prompt_size(size, rt.max_model_len, rt.tokenizer.max_token_bytes, "messages")
+            try:
+                _, ids = await asyncio.to_thread(
+                    rt.tokenizer.encode_chat,
+                    chat.messages,
+                    chat.add_generation_prompt,
+                    chat.tools.tools if chat.tools is not None else None,
+                    chat.template_kwargs,
+                )
+            except ChatTemplateError as exc:
+                raise APIError(str(exc), param="messages", code="invalid_value") from None
+        else:
+            assert req.prompt is not None
+            check_prompt_size(
+                text_bytes([req.prompt]), rt.max_model_len, rt.tokenizer.max_token_bytes, "prompt"
+            )
+            ids = await asyncio.to_thread(rt.tokenizer.encode, req.prompt, req.add_special_tokens)
+        return _json({"count": len(ids), "max_model_len": rt.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        rt = self._runtime()
+        model, tokens = parse_detokenize_request(await self._body(request), rt.tokenizer.vocab_size)
+        self._check_model(model)
+        return _json({"prompt": rt.tokenizer.decode(tokens)})
 
     # ---- /v1/completions ---------------------------------------------------------------------------
 

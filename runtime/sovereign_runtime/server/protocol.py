@@ -522,6 +522,51 @@ def _parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     return ToolRequest(clean, "function", function=name, parallel=parallel)
 
 
+@dataclass
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's): a completion ``prompt`` or a chat's ``messages`` rendered by the
+    template (with ``tools``, ``add_generation_prompt`` and ``chat_template_kwargs`` as a chat takes them)."""
+
+    model: str | None
+    prompt: str | None = None
+    chat: ChatRequest | None = None
+    add_special_tokens: bool = True
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_type")
+    if ("prompt" in body) == ("messages" in body):
+        raise _bad(
+            "prompt",
+            "send exactly one of 'prompt' (text) and 'messages' (a chat)",
+            "missing_required_parameter",
+        )
+    model = _parse_model(body)
+    if "messages" in body:
+        return TokenizeRequest(model, chat=parse_chat_request(body))
+    prompt = body["prompt"]
+    if not isinstance(prompt, str):
+        raise _bad("prompt", f"'prompt' must be a string, got {_type_name(prompt)}", "invalid_type")
+    return TokenizeRequest(
+        model, prompt=prompt, add_special_tokens=_get_bool(body, "add_special_tokens", True)
+    )
+
+
+def parse_detokenize_request(body: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """``POST /detokenize``: the model and the token ids to turn back into text."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_type")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise _bad("tokens", "'tokens' must be a list of token ids", "invalid_type")
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise _bad("tokens", f"token ids in 'tokens' must be in [0, {vocab_size})")
+    return _parse_model(body), tokens
+
+
 def _is_token_list(value: Any) -> bool:
     return (
         isinstance(value, list)
