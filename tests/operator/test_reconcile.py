@@ -142,6 +142,23 @@ def test_invalid_spec_is_degraded_with_an_event_and_no_retry() -> None:
     asyncio.run(scenario())
 
 
+def test_a_chat_template_that_does_not_parse_is_degraded_before_any_pod() -> None:
+    problems: list[Problem] = []
+    kube = FakeKube(body_for(with_changes(TINY_SPEC, runtime__chatTemplate="{{ bos_token }}\n{% if x %}")))
+    reconciler = Reconciler(kube, clock=_clock, report_problem=lambda body, problem: problems.append(problem))
+
+    async def scenario() -> None:
+        outcome = await reconciler.reconcile(kube.body)
+        assert outcome.rendered is None and kube.applies == 0
+        degraded = next(c for c in kube.body["status"]["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "InvalidSpec"
+        assert degraded["message"].startswith(
+            "spec.runtime.chatTemplate: the Jinja template does not parse: line 2"
+        )
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(
     ("code", "retried"), [(500, True), (429, True), (409, True), (403, True), (422, False)]
 )

@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, WithJsonSchema
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import AfterValidator, Field, WithJsonSchema, field_validator
 
 from sovereign_operator.api.base import ApiModel
 from sovereign_operator.api.rules import CrossFieldRule
@@ -315,6 +317,16 @@ class ModelSpec(ApiModel):
 # ---- runtime and pools -------------------------------------------------------------------------
 
 
+def chat_template_syntax_error(template: str) -> str | None:
+    """Why Jinja cannot parse ``template`` (the runtime's dialect: its sandbox with loop controls), or None."""
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        environment.parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        return f"the Jinja template does not parse: line {error.lineno}: {error.message}"
+    return None
+
+
 class RuntimeSpec(ApiModel):
     """The inference runtime every worker pod runs."""
 
@@ -342,6 +354,18 @@ class RuntimeSpec(ApiModel):
         " --chat-template`), for example one that writes `tools` into the prompt: DeepSeek-V3's own"
         " template does not. Kept in a ConfigMap; the pools roll when it changes.",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, template: str | None) -> str | None:
+        # The apiserver cannot parse Jinja: a template the workers would refuse at start (`serve` exits
+        # naming the line) is refused here first, before any pod crash-loops on it.
+        if template is not None:
+            problem = chat_template_syntax_error(template)
+            if problem is not None:
+                raise ValueError(problem)
+        return template
+
     env: list[EnvVar] = Field(
         default_factory=list, max_length=128, description="Extra environment variables of every worker pod."
     )
