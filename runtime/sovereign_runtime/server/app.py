@@ -462,21 +462,8 @@ class _Api:
         self._admit(rt)
         req = parse_chat_request(await self._body(request))
         self._check_model(req.model)
-        contents = [m.get("content") for m in req.messages]
-        size = text_bytes([c for c in contents if isinstance(c, str)])
-        check_prompt_size(size, rt.max_model_len, rt.tokenizer.max_token_bytes, "messages")
         tool_output, keep_ids = self._tool_output(rt, req)
-        try:
-            # Template and tokenizer run on a thread: a long conversation must not stall the loop.
-            prompt_text, prompt_ids = await asyncio.to_thread(
-                rt.tokenizer.encode_chat,
-                req.messages,
-                req.add_generation_prompt,
-                req.tools.tools if req.tools is not None else None,
-                req.template_kwargs,
-            )
-        except ChatTemplateError as exc:
-            raise APIError(str(exc), param="messages", code="invalid_value") from None
+        prompt_text, prompt_ids = await self._render_chat(rt, req)
         max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
         params = sampling_params(
             req.sampling,
@@ -518,6 +505,23 @@ class _Api:
                 return await self._chat_full(rt, streams, rid, started_thinking, outputs)
         finally:
             self.state.request_finished()
+
+    async def _render_chat(self, rt: LoadedRuntime, req: ChatRequest) -> tuple[str, list[int]]:
+        """The conversation through the chat template and the tokenizer: its text and token ids."""
+        contents = [m.get("content") for m in req.messages]
+        size = text_bytes([c for c in contents if isinstance(c, str)])
+        check_prompt_size(size, rt.max_model_len, rt.tokenizer.max_token_bytes, "messages")
+        try:
+            # Template and tokenizer run on a thread: a long conversation must not stall the loop.
+            return await asyncio.to_thread(
+                rt.tokenizer.encode_chat,
+                req.messages,
+                req.add_generation_prompt,
+                req.tools.tools if req.tools is not None else None,
+                req.template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise APIError(str(exc), param="messages", code="invalid_value") from None
 
     def _tool_output(self, rt: LoadedRuntime, req: ChatRequest) -> tuple[ToolChoiceOutput, frozenset[int]]:
         """How the request's ``tool_choice`` reads the output, and the marker tokens to keep in its text.
@@ -678,20 +682,7 @@ class _Api:
         req = parse_tokenize_request(await self._body(request))
         self._check_model(req.model)
         if req.chat is not None:
-            chat = req.chat
-            contents = [m.get("content") for m in chat.messages]
-            size = text_bytes([c for c in contents if isinstance(c, str)])
-            check_prompt_size(size, rt.max_model_len, rt.tokenizer.max_token_bytes, "messages")
-            try:
-                _, ids = await asyncio.to_thread(
-                    rt.tokenizer.encode_chat,
-                    chat.messages,
-                    chat.add_generation_prompt,
-                    chat.tools.tools if chat.tools is not None else None,
-                    chat.template_kwargs,
-                )
-            except ChatTemplateError as exc:
-                raise APIError(str(exc), param="messages", code="invalid_value") from None
+            _, ids = await self._render_chat(rt, req.chat)
         else:
             assert req.prompt is not None
             check_prompt_size(
