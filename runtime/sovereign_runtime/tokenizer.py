@@ -313,23 +313,13 @@ class StopStringMatcher:
         if hit is not None:
             self.stopped, self.matched, self._pending = True, hit, ""
             return buf[:hit_at]
-        keep = self._holdback(buf)
+        keep = partial_suffix(buf, self.stops)
         self._pending = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
 
     def flush(self) -> str:
         out, self._pending = self._pending, ""
         return "" if self.stopped else out
-
-    def _holdback(self, buf: str) -> int:
-        # Longest suffix of buf that is a proper prefix of some stop string.
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
 
 class ReasoningParser:
@@ -378,7 +368,7 @@ class ReasoningParser:
                     if not buf:
                         self._strip_next = True
                     continue
-                keep = _partial_suffix(buf, THINK_END)
+                keep = partial_suffix(buf, (THINK_END,))
                 reasoning.append(buf[: len(buf) - keep])
                 self._pending = buf[len(buf) - keep :]
                 break
@@ -408,8 +398,13 @@ class ReasoningParser:
         return (reasoning if saw else None), c1 + c2
 
 
-def _partial_suffix(buf: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if buf.endswith(tag[:n]):
-            return n
-    return 0
+def partial_suffix(buf: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers``: text a
+    streaming parser holds back, since the next delta may complete the marker."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(buf)), best, -1):
+            if buf.endswith(marker[:n]):
+                best = n
+                break
+    return best

@@ -465,13 +465,7 @@ class _Api:
         tool_output, keep_ids = self._tool_output(rt, req)
         prompt_text, prompt_ids = await self._render_chat(rt, req)
         max_tokens = resolve_max_tokens(req.sampling, len(prompt_ids), rt.max_model_len, None)
-        params = sampling_params(
-            req.sampling,
-            max_tokens,
-            rt.tokenizer.vocab_size,
-            self.config.repetition_window,
-            self.config.sampling_defaults,
-        )
+        params = self._sampling_params(rt, req.sampling, max_tokens)
         # A template that opens the reasoning trace for the model; not under a schema, which allows no
         # trace (response_format, a forced tool call): all of that output is the answer.
         started_thinking = params.json_schema is None and prompt_text.rstrip().endswith(THINK_START)
@@ -505,6 +499,18 @@ class _Api:
                 return await self._chat_full(rt, streams, rid, started_thinking, outputs)
         finally:
             self.state.request_finished()
+
+    def _sampling_params(
+        self, rt: LoadedRuntime, sampling: SamplingRequest, max_tokens: int
+    ) -> SamplingParams:
+        """The engine's parameters for one prompt under this server's defaults."""
+        return sampling_params(
+            sampling,
+            max_tokens,
+            rt.tokenizer.vocab_size,
+            self.config.repetition_window,
+            self.config.sampling_defaults,
+        )
 
     async def _render_chat(self, rt: LoadedRuntime, req: ChatRequest) -> tuple[str, list[int]]:
         """The conversation through the chat template and the tokenizer: its text and token ids."""
@@ -718,13 +724,7 @@ class _Api:
             max_tokens = resolve_max_tokens(
                 req.sampling, len(ids), rt.max_model_len, COMPLETION_DEFAULT_MAX_TOKENS
             )
-            params = sampling_params(
-                req.sampling,
-                max_tokens,
-                rt.tokenizer.vocab_size,
-                self.config.repetition_window,
-                self.config.sampling_defaults,
-            )
+            params = self._sampling_params(rt, req.sampling, max_tokens)
             # A prompt's n choices are consecutive: choice index = prompt index x n + j, as OpenAI's.
             jobs += [(ids, choice) for choice in choice_params(params, req.sampling.n)]
         rid = _new_id("cmpl")

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..tokenizer import partial_suffix
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -120,17 +122,6 @@ def parse_call(
     return ToolCall(name=name, arguments=arguments, id=make_id())
 
 
-def _partial_marker(buf: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of ``buf`` that could begin one of ``markers``."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(buf)), best, -1):
-            if buf.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
 class ToolCallParser:
     """Splits streamed content into plain text and the tool calls the model wrote.
 
@@ -156,7 +147,7 @@ class ToolCallParser:
             if not self._in_calls:
                 starts = [i for i in (buf.find(fmt.calls_begin), buf.find(fmt.call_begin)) if i != -1]
                 if not starts:
-                    keep = _partial_marker(buf, (fmt.calls_begin, fmt.call_begin))
+                    keep = partial_suffix(buf, (fmt.calls_begin, fmt.call_begin))
                     content.append(buf[: len(buf) - keep])
                     self._buf = buf[len(buf) - keep :]
                     break
