@@ -67,15 +67,21 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template the way HF transformers does: sandboxed, trim/lstrip blocks."""
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment chat templates run in, the way HF transformers sets it up: sandboxed,
+    trim/lstrip blocks, loop controls, its ``tojson`` and globals."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template the way HF transformers does."""
+    return _template_environment().from_string(source)
 
 
 @dataclass
@@ -160,18 +166,19 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.hf.id_to_token(token_id) or ""
 
-    def _visible(self, ids: Iterable[int], keep: frozenset[int] = frozenset()) -> list[int]:
-        special = self.special_ids - keep if keep else self.special_ids
-        return [i for i in ids if i not in special]
+    def _visible(self, ids: Iterable[int], hidden: frozenset[int] | None = None) -> list[int]:
+        """``ids`` without the ``hidden`` tokens (default: the special ones)."""
+        hidden = self.special_ids if hidden is None else hidden
+        return [i for i in ids if i not in hidden]
 
     @functools.cached_property
     def template_variables(self) -> frozenset[str]:
         """The names the chat template reads from its context (``tools``, ``messages``, ...)."""
         if self.chat_template is None:
             return frozenset()
-        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
         try:
-            return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.chat_template)))
+            parsed = _template_environment().parse(self.chat_template)
+            return frozenset(jinja2.meta.find_undeclared_variables(parsed))
         except jinja2.TemplateError:
             return frozenset()  # rendering reports the template's error as a 400 of its own
 
@@ -250,8 +257,8 @@ class IncrementalDetokenizer:
     ) -> None:
         """``keep``: special tokens to write into the text (a tool-call parser reads its markers)."""
         self._tok = tokenizer
-        self._keep = keep
-        visible = tokenizer._visible(prompt_ids, keep)
+        self._hidden = tokenizer.special_ids - keep if keep else tokenizer.special_ids
+        visible = tokenizer._visible(prompt_ids, self._hidden)
         self._ids: list[int] = visible[-self._CONTEXT :]
         self._prefix = 0
         self._read = len(self._ids)
@@ -259,7 +266,7 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: Iterable[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
-        added = self._tok._visible(new_ids, self._keep)
+        added = self._tok._visible(new_ids, self._hidden)
         if not added:
             return ""
         self._ids.extend(added)

@@ -47,7 +47,7 @@ from .responses import (
     usage,
 )
 from .state import LoadedRuntime, Loader, ServerState
-from .tools import ToolChoiceOutput, detect_format, named_call_schema, required_calls_schema
+from .tools import ToolChoiceOutput, detect_format
 
 log = logging.getLogger("sovereign_runtime.server")
 
@@ -531,8 +531,9 @@ class _Api:
 
     def _tool_output(self, rt: LoadedRuntime, req: ChatRequest) -> tuple[ToolChoiceOutput, frozenset[int]]:
         """How the request's ``tool_choice`` reads the output, and the marker tokens to keep in its text.
-        A forced call (``required``, a named function) constrains decoding to its JSON schema; ``auto``
-        needs the model's tool-call markers. Refused (400) where the model could not do what was asked."""
+        A forced call (``required``, a named function) is already under its schema (protocol.py);
+        ``auto`` needs the model's tool-call markers. Refused (400) where the model could not do what was
+        asked."""
         tokenizer = rt.tokenizer
         if any("tool_calls" in m for m in req.messages) and not tokenizer.template_renders_tool_calls:
             raise APIError(
@@ -565,12 +566,6 @@ class _Api:
                 )
             fmt, marker_ids = detected
             return ToolChoiceOutput("auto", fmt), marker_ids
-        if tools.choice == "required":
-            req.sampling.json_schema = required_calls_schema(tools.tools, tools.parallel)
-        else:
-            assert tools.function is not None
-            req.sampling.json_schema = named_call_schema(tools.tool(tools.function))
-        req.sampling.param_names["json_schema"] = "tools"
         return ToolChoiceOutput(tools.choice, function=tools.function), frozenset()
 
     async def _chat_full(

@@ -20,6 +20,7 @@ from ..engine.api import InvalidRequest
 from ..engine.grammar import JSON_OBJECT_SCHEMA
 from ..engine.sampling import SEED_LIMIT, SamplingDefaults, SamplingParams
 from ..tokenizer import TEMPLATE_VARIABLES
+from .tools import named_call_schema, required_calls_schema
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call: each is a request the engine queues
@@ -393,6 +394,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
             "'response_format' constrains the output, so the model could not write a tool call: send"
             " 'response_format' or 'tools' with a 'tool_choice' other than 'none', not both",
         )
+    # A forced call is decoded under its schema, as response_format is.
+    if tools is not None and tools.choice == "required":
+        sampling.json_schema = required_calls_schema(tools.tools, tools.parallel)
+        sampling.param_names["json_schema"] = "tools"
+    elif tools is not None and tools.function is not None:
+        sampling.json_schema = named_call_schema(tools.tool(tools.function))
+        sampling.param_names["json_schema"] = "tools"
     return ChatRequest(
         model=_parse_model(body),
         messages=clean,

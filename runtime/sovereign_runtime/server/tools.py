@@ -28,7 +28,6 @@ from ..tokenizer import partial_suffix
 class ToolCallFormat:
     """The marker strings one model family writes around its tool calls."""
 
-    name: str
     calls_begin: str
     calls_end: str
     call_begin: str
@@ -46,7 +45,6 @@ class ToolCallFormat:
 
 
 DEEPSEEK = ToolCallFormat(
-    name="deepseek",
     calls_begin="<｜tool▁calls▁begin｜>",
     calls_end="<｜tool▁calls▁end｜>",
     call_begin="<｜tool▁call▁begin｜>",
@@ -135,7 +133,6 @@ class ToolCallParser:
         self._make_id = make_id
         self._buf = ""
         self._in_calls = False
-        self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         fmt = self.fmt
@@ -176,7 +173,6 @@ class ToolCallParser:
             else:
                 calls.append(call)
             buf = buf[end + len(fmt.call_end) :]
-        self.calls.extend(calls)
         return "".join(content), calls
 
     def flush(self) -> str:
@@ -278,7 +274,7 @@ class ToolChoiceOutput:
         self.fmt = fmt
         self.function = function
         self._make_id = make_id
-        self._parser = ToolCallParser(fmt, make_id) if fmt is not None and mode == "auto" else None
+        self._parser = ToolCallParser(fmt, make_id) if mode == "auto" and fmt is not None else None
         self._text: list[str] = []  # function / required: the constrained output so far
         self._call_id = make_id() if mode == "function" else ""
         self.calls: list[ToolCall] = []
@@ -288,7 +284,7 @@ class ToolChoiceOutput:
         return ToolChoiceOutput(self.mode, self.fmt, self.function, self._make_id)
 
     def feed(self, content: str) -> tuple[str, list[dict[str, Any]]]:
-        if self.mode == "auto" and self._parser is not None:
+        if self._parser is not None:  # auto
             text, calls = self._parser.feed(content)
             first = len(self.calls)
             self.calls.extend(calls)
@@ -315,7 +311,7 @@ class ToolChoiceOutput:
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict[str, Any]], str]:
         content, entries = "", []
-        if self.mode == "auto" and self._parser is not None:
+        if self._parser is not None:  # auto
             content = self._parser.flush()
         elif self.mode == "function":
             if not self._text:  # nothing generated: the header entry was never sent
