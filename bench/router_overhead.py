@@ -344,6 +344,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
         parser.error("--rounds, --seconds and --rates must be positive")
+    if args.baseline_source:
+        # Either the runtime/ folder itself or the folder holding it; anything else would silently
+        # measure this checkout's router (installed in the virtualenv) under the baseline's name.
+        source = Path(args.baseline_source)
+        if (
+            not (source / "sovereign_runtime").is_dir()
+            and (source / "runtime" / "sovereign_runtime").is_dir()
+        ):
+            source = source / "runtime"
+        if not (source / "sovereign_runtime").is_dir():
+            parser.error(
+                f"--baseline-source {args.baseline_source}: no sovereign_runtime package in it or in its runtime/"
+            )
+        args.baseline_source = str(source.resolve())
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     asyncio.run(main_async(args))
 

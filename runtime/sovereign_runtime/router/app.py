@@ -21,7 +21,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -38,6 +37,7 @@ from .policy import (
     make_policy,
     prompt_key,
 )
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ _HOP_HEADERS = {
     "transfer-encoding",
     "connection",
     "keep-alive",
+    # Workers' answers go back with their Content-Type only, never a Content-Encoding: ask for none.
+    "accept-encoding",
     INTERNAL_TOKEN_HEADER.lower(),
 }
 # Request fields only the router may set: a client's value would let it pick the URL a decode worker
@@ -203,7 +205,7 @@ class Router:
         }
         self.metrics = RouterMetrics()
         self.lag = LoopLagMonitor()
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._tasks: list[asyncio.Task] = []
         # Set on SIGTERM: readiness answers 503 so the Service stops sending, requests are still served.
         self.stopping = False
@@ -230,14 +232,7 @@ class Router:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
-        )
-        # No cookie jar: a proxy must not keep one worker answer's Set-Cookie and send it with other
-        # clients' requests (and filtering a jar costs every request).
-        self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
-        )
+        self._upstream = UpstreamPool(self.config.connect_timeout_s, self.config.request_timeout_s)
         self._tasks.append(asyncio.create_task(self.lag.run()))
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
@@ -247,22 +242,23 @@ class Router:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
 
     def add_background(self, coro) -> None:  # type: ignore[no-untyped-def]
         self._tasks.append(asyncio.create_task(coro))
 
     # ---- health -----------------------------------------------------------------------------------
     async def check_worker(self, worker: Worker) -> None:
-        assert self._session is not None
+        assert self._upstream is not None
         loop = asyncio.get_running_loop()
         timeout_s = self.config.health_timeout_s
         started = loop.time()
         try:
-            async with self._session.get(
-                worker.url + "/health/ready", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            async with self._upstream.request(
+                "GET", worker.url, "/health/ready", timeout_s=timeout_s
             ) as resp:
+                await resp.read()
                 # 503 means starting or draining: alive, but no new work.
                 worker.ready = resp.status == 200
                 self.pool.record_success(worker)
@@ -277,7 +273,7 @@ class Router:
                 )
                 return
             self.pool.record_failure(worker, FailureKind.TIMEOUT)
-        except aiohttp.ClientError:
+        except UpstreamError:
             worker.ready = False
             self.pool.record_failure(worker, FailureKind.CONNECT)
 
@@ -376,7 +372,7 @@ class Router:
     async def _forward(
         self, request: web.Request, path: str, body: bytes, payload: dict | None, method: str
     ) -> web.StreamResponse:
-        assert self._session is not None
+        assert self._upstream is not None
         started = time.perf_counter()
         key = prompt_key(payload) if payload else ""
         headers, bad_header = forwardable_headers(request)
@@ -407,8 +403,8 @@ class Router:
             self.metrics.set_in_flight(worker)
             response: web.StreamResponse | None = None
             try:
-                async with self._session.request(
-                    method, worker.url + path, data=send_body or None, headers=send_headers
+                async with self._upstream.request(
+                    method, worker.url, path, send_body, send_headers
                 ) as upstream:
                     if upstream.status in (429, 503):
                         # Busy (429), starting or draining (503): alive, but try another worker before
@@ -444,7 +440,7 @@ class Router:
                     except _CLIENT_GONE:
                         self.metrics.client_disconnects.inc()
                         return response
-                    async for chunk in upstream.content.iter_any():
+                    async for chunk in upstream.iter_chunks():
                         try:
                             await response.write(chunk)
                         except _CLIENT_GONE:
@@ -457,7 +453,7 @@ class Router:
                         self.policies[role].record(worker, key)
                     self.metrics.count_request(worker.url, upstream.status)
                     return response
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, UpstreamError) as exc:
                 last_error = f"worker {worker.url} failed: {exc.__class__.__name__}: {exc}"
                 self.metrics.upstream_errors.labels(worker.url).inc()
                 kind = FailureKind.TIMEOUT if isinstance(exc, TimeoutError) else FailureKind.CONNECT
@@ -528,8 +524,10 @@ def forwardable_headers(request: web.Request) -> tuple[dict[str, str], str | Non
     return headers, None
 
 
-def _passed_headers(upstream: aiohttp.ClientResponse, names: tuple[str, ...]) -> dict[str, str]:
-    return {name: upstream.headers[name] for name in names if name in upstream.headers}
+def _passed_headers(upstream: UpstreamResponse, names: tuple[str, ...]) -> dict[str, str]:
+    """The named headers of a worker's answer, under their usual spelling."""
+    found = upstream.headers
+    return {name: found[name.lower()] for name in names if name.lower() in found}
 
 
 @web.middleware
