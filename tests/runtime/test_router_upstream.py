@@ -102,10 +102,11 @@ def test_request_head_carries_host_length_and_headers() -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head, body = await read_request(reader)
-        seen.append(head + body)
-        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
-        await writer.drain()
+        for _ in range(2):
+            head, body = await read_request(reader)
+            seen.append(head + body)
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
 
     async def main() -> None:
         async with raw_server(handler) as (url, _):
@@ -113,9 +114,12 @@ def test_request_head_carries_host_length_and_headers() -> None:
             async with pool.request("POST", url, "/p", b"{}", {"Authorization": "Bearer k"}) as answer:
                 assert answer.status == 204
                 assert await answer.read() == b""
+            async with pool.request("GET", url + "/base/", "/v1/models") as answer:  # a path prefix
+                assert answer.status == 204
             await pool.close()
         host = url.removeprefix("http://").encode()
         assert seen[0].startswith(b"POST /p HTTP/1.1\r\nHost: " + host + b"\r\n")
+        assert seen[1].startswith(b"GET /base/v1/models HTTP/1.1\r\n")
         assert b"\r\nContent-Length: 2\r\n" in seen[0]
         assert b"\r\nAuthorization: Bearer k\r\n" in seen[0]
         assert seen[0].endswith(b"\r\n\r\n{}")

@@ -206,18 +206,19 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._addresses: dict[str, tuple[str, int, str]] = {}
+        self._addresses: dict[str, tuple[str, int, str, str]] = {}
         self._closed = False
 
-    def _address(self, base_url: str) -> tuple[str, int, str]:
-        """(host, port, Host header) of a worker's base URL, parsed once."""
+    def _address(self, base_url: str) -> tuple[str, int, str, str]:
+        """(host, port, Host header, path prefix) of a worker's base URL, parsed once."""
         address = self._addresses.get(base_url)
         if address is None:
             parts = urlsplit(base_url)
             if parts.scheme != "http" or not parts.hostname:
                 raise UpstreamError(f"worker URL {base_url!r} is not an http:// URL")
             port = parts.port or 80
-            address = self._addresses[base_url] = (parts.hostname, port, parts.netloc)
+            prefix = parts.path.rstrip("/")
+            address = self._addresses[base_url] = (parts.hostname, port, parts.netloc, prefix)
         return address
 
     async def _connect(self, host: str, port: int) -> _Connection:
@@ -269,8 +270,8 @@ class UpstreamPool:
         The deadline (`request_timeout_s` unless `timeout_s`) covers the whole block."""
         if self._closed:
             raise UpstreamError("the router is shutting down")
-        host, port, host_header = self._address(base_url)
-        head = [f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: {len(body)}\r\n"]
+        host, port, host_header, prefix = self._address(base_url)
+        head = [f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: {len(body)}\r\n"]
         if headers:
             head.extend(f"{name}: {value}\r\n" for name, value in headers.items())
         head.append("\r\n")
