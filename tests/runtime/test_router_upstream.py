@@ -82,6 +82,17 @@ def keep_alive_echo(answers: int) -> Handler:
     return handler
 
 
+def answers_with(reply: bytes) -> Handler:
+    """Reads one request and writes `reply` as it is, then closes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+
+    return handler
+
+
 def test_length_framed_answers_reuse_one_connection() -> None:
     async def main() -> None:
         async with raw_server(keep_alive_echo(10)) as (url, connections):
@@ -161,13 +172,9 @@ def test_chunked_stream_arrives_piece_by_piece_and_the_connection_is_kept() -> N
 
 
 def test_close_delimited_body_ends_with_the_connection_and_is_not_reused() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
-        await writer.drain()
-
     async def main() -> None:
-        async with raw_server(handler) as (url, connections):
+        reply = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it"
+        async with raw_server(answers_with(reply)) as (url, connections):
             pool = UpstreamPool(connect_timeout_s=2, request_timeout_s=5)
             for _ in range(2):
                 async with pool.request("GET", url, "/") as answer:
@@ -231,13 +238,8 @@ def test_deadline_covers_the_body() -> None:
     ],
 )
 def test_broken_answers_are_upstream_errors(reply: bytes) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(reply)
-        await writer.drain()
-
     async def main() -> None:
-        async with raw_server(handler) as (url, _):
+        async with raw_server(answers_with(reply)) as (url, _):
             pool = UpstreamPool(connect_timeout_s=2, request_timeout_s=5)
             with pytest.raises(UpstreamError):
                 async with pool.request("GET", url, "/") as answer:
