@@ -336,3 +336,18 @@ def test_a_kept_alive_connection_closed_unanswered_is_an_error_never_a_resend() 
         assert requests == [1, 2]
 
     run(main())
+
+
+def test_forgetting_a_worker_closes_its_idle_connections() -> None:
+    async def main() -> None:
+        async with raw_server(keep_alive_echo(10)) as (url, connections):
+            pool = UpstreamPool(connect_timeout_s=2, request_timeout_s=5)
+            async with pool.request("GET", url, "/") as answer:
+                await answer.read()
+            pool.forget(url)  # the worker left the pool; a new one at its address gets a new connection
+            async with pool.request("GET", url, "/") as answer:
+                await answer.read()
+            await pool.close()
+            assert len(connections) == 2
+
+    run(main())

@@ -224,6 +224,8 @@ class Router:
         self._unsynced.discard(role)
         for gone in self.pool.set_members(role, {u.rstrip("/") for u in urls}):
             self.policies[role].forget(gone)
+            if self._upstream is not None:
+                self._upstream.forget(gone)
         self.metrics.refresh_workers(self.pool)
 
     @property

@@ -42,7 +42,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker, answering one request at a time."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -154,7 +154,7 @@ class UpstreamResponse:
     async def _wait(self) -> None:
         if self._error is not None:
             raise self._error
-        self._waiter = self._connection._loop.create_future()
+        self._waiter = self._connection.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -206,20 +206,24 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._addresses: dict[str, tuple[str, int, str, str]] = {}
         self._closed = False
 
-    def _address(self, base_url: str) -> tuple[str, int, str, str]:
-        """(host, port, Host header, path prefix) of a worker's base URL, parsed once."""
-        address = self._addresses.get(base_url)
-        if address is None:
-            parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise UpstreamError(f"worker URL {base_url!r} is not an http:// URL")
-            port = parts.port or 80
-            prefix = parts.path.rstrip("/")
-            address = self._addresses[base_url] = (parts.hostname, port, parts.netloc, prefix)
-        return address
+    @staticmethod
+    def _address(base_url: str) -> tuple[str, int, str, str]:
+        """(host, port, Host header, path prefix) of a worker's base URL (urlsplit caches its parses)."""
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise UpstreamError(f"worker URL {base_url!r} is not an http:// URL")
+        return parts.hostname, parts.port or 80, parts.netloc, parts.path.rstrip("/")
+
+    def forget(self, base_url: str) -> None:
+        """A worker left the pool: close its idle connections (nothing would ask for them again)."""
+        host, port, _, _ = self._address(base_url)
+        self._close_idle((host, port))
+
+    def _close_idle(self, key: tuple[str, int]) -> None:
+        for connection in self._idle.pop(key, []):
+            connection.close()
 
     async def _connect(self, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -253,7 +257,7 @@ class UpstreamPool:
         if not reusable:
             connection.close()
             return
-        connection.idle_since = connection._loop.time()
+        connection.idle_since = connection.loop.time()
         self._idle.setdefault(key, []).append(connection)
 
     @contextlib.asynccontextmanager
@@ -294,7 +298,5 @@ class UpstreamPool:
 
     async def close(self) -> None:
         self._closed = True
-        for connections in self._idle.values():
-            for connection in connections:
-                connection.close()
-        self._idle.clear()
+        for key in list(self._idle):
+            self._close_idle(key)
