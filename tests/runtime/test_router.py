@@ -225,6 +225,9 @@ def _parse(*argv: str) -> argparse.Namespace:
         (("--worker", "http://a", "--shutdown-delay", "-1"), "--shutdown-delay"),
         (("--worker", "http://a", "--drain-timeout", "0"), "--drain-timeout"),
         (("--worker", "http://a", "--wait-for-worker", "-2"), "--wait-for-worker"),
+        (("--worker", "http://a", "https://b"), "'https://b' is not an http://HOST[:PORT] URL"),
+        (("--prefill", "a:8000", "--decode", "http://b"), "'a:8000' is not an http://HOST[:PORT] URL"),
+        (("--worker", "http://a:99999"), "'http://a:99999' is not valid"),
     ],
 )
 def test_router_flags_are_validated(argv: tuple[str, ...], fragment: str) -> None:

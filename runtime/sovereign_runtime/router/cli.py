@@ -17,6 +17,7 @@ from ..read_deadlines import DeadlineSite, add_read_deadline_flags, read_deadlin
 from .app import DEADLINE_GUARD, Router, RouterConfig, create_app
 from .discovery import EndpointSliceWatch
 from .policy import POLICIES
+from .upstream import UpstreamError, worker_address
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +104,11 @@ def validate_router_args(args: argparse.Namespace) -> str | None:
         return "router: --worker/--worker-service (unified) cannot be combined with prefill/decode workers"
     if bool(args.prefill or args.prefill_service) != bool(args.decode or args.decode_service):
         return "router: disaggregated routing needs both prefill and decode workers"
+    for url in [*(args.worker or []), *(args.prefill or []), *(args.decode or [])]:
+        try:
+            worker_address(url)
+        except UpstreamError as exc:
+            return f"router: {exc}"
     if discovered and not args.namespace:
         return "router: --namespace is required with --*-service discovery"
     if args.max_attempts < 1:

@@ -38,6 +38,18 @@ class UpstreamError(Exception):
     """The worker could not be reached, or broke the exchange off."""
 
 
+def worker_address(base_url: str) -> tuple[str, int, str, str]:
+    """(host, port, Host header, path prefix) of a worker's base URL (urlsplit caches its parses)."""
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port or 80
+    except ValueError as exc:  # a port out of range or not a number
+        raise UpstreamError(f"worker URL {base_url!r} is not valid: {exc}") from exc
+    if parts.scheme != "http" or not parts.hostname:
+        raise UpstreamError(f"worker URL {base_url!r} is not an http://HOST[:PORT] URL")
+    return parts.hostname, port, parts.netloc, parts.path.rstrip("/")
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker, answering one request at a time."""
 
@@ -208,17 +220,9 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
-    @staticmethod
-    def _address(base_url: str) -> tuple[str, int, str, str]:
-        """(host, port, Host header, path prefix) of a worker's base URL (urlsplit caches its parses)."""
-        parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise UpstreamError(f"worker URL {base_url!r} is not an http:// URL")
-        return parts.hostname, parts.port or 80, parts.netloc, parts.path.rstrip("/")
-
     def forget(self, base_url: str) -> None:
         """A worker left the pool: close its idle connections (nothing would ask for them again)."""
-        host, port, _, _ = self._address(base_url)
+        host, port, _, _ = worker_address(base_url)
         self._close_idle((host, port))
 
     def _close_idle(self, key: tuple[str, int]) -> None:
@@ -274,7 +278,7 @@ class UpstreamPool:
         The deadline (`request_timeout_s` unless `timeout_s`) covers the whole block."""
         if self._closed:
             raise UpstreamError("the router is shutting down")
-        host, port, host_header, prefix = self._address(base_url)
+        host, port, host_header, prefix = worker_address(base_url)
         head = [f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: {len(body)}\r\n"]
         if headers:
             head.extend(f"{name}: {value}\r\n" for name, value in headers.items())
