@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -192,6 +193,7 @@ def run_router(args: argparse.Namespace) -> None:
         router.add_background(_prompt_checks(router))
 
     app.on_startup.append(start_discovery)
+    app.on_startup.append(freeze_startup_objects)
     # uvloop: the router is all socket I/O and event-loop bookkeeping, which uvloop does in C (about a
     # third less CPU per proxied request than asyncio's own loop, bench/router_overhead.py).
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -252,6 +254,16 @@ async def serve_router(
         started = loop.time()
         await runner.cleanup()
         log.info("router stopped in %.1f s after closing its listener", loop.time() - started)
+
+
+async def freeze_startup_objects(app: web.Application) -> None:
+    """Move everything start-up made (modules, the app, the clients) out of the collector's reach.
+
+    They live as long as the process, yet every gen1 and gen2 collection walked them again: with them
+    in, a collection paused the loop for up to 2.5 ms (gen1) and 27 ms (gen2) under load, in front of
+    every request queued behind it. After the freeze a collection walks only what requests made."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _prompt_checks(router: Router) -> None:
