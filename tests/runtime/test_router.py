@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import random
 import socket
@@ -74,6 +75,66 @@ def test_prefix_tree_eviction_drops_the_oldest_first_and_prunes_emptied_branches
     for worker in ("w0", "w1", "w2"):
         tree.remove_worker(worker)
     assert tree.size_chars == 0
+
+
+def _chat_prompts(rng: random.Random, count: int) -> list[str]:
+    systems = [f"system {i}: " + "".join(rng.choice("abcdefgh ") for _ in range(150)) for i in range(8)]
+    return [
+        rng.choice(systems) + "user: " + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 80)))
+        for _ in range(count)
+    ]
+
+
+def test_prefix_tree_keeps_every_new_prompt_within_budget_and_frees_its_nodes() -> None:
+    rng = random.Random(11)
+    tree = ApproximatePrefixTree(max_chars=5000)
+    for i, prompt in enumerate(_chat_prompts(rng, 3000)):
+        worker = f"w{i % 3}"
+        tree.insert(prompt, worker)
+        assert tree.size_chars <= 5000
+        # The newest prompt is the most recently used entry: never the one evicted.
+        assert tree.match(prompt) == tree.match(prompt, alive={worker})
+        assert tree.match(prompt).matched_chars == len(prompt)
+        assert tree.node_count <= tree.size_chars + 1  # every node but the root holds a character
+    # Evicted one leaf at a time, not down to a low-water mark.
+    assert tree.size_chars > 5000 - 250
+    for worker in ("w0", "w1", "w2"):
+        tree.remove_worker(worker)
+    assert (tree.size_chars, tree.node_count) == (0, 1)
+    # Slots are reused: refilling does not grow the tree past its budget's worth of nodes.
+    for prompt in _chat_prompts(rng, 500):
+        tree.insert(prompt, "w0")
+    assert tree.node_count <= tree.size_chars + 1
+
+
+def test_prefix_tree_eviction_never_walks_the_tree() -> None:
+    """An insert over the budget evicts from a heap kept as the tree changes: a walk of every node
+    per eviction stopped the router's loop for 250-400 ms at a full 2M-character tree."""
+    rng = random.Random(5)
+    tree = ApproximatePrefixTree(max_chars=3000)
+
+    def walk() -> list[int]:
+        raise AssertionError("eviction walked the whole tree")
+
+    tree._nodes_top_down = walk  # type: ignore[method-assign]
+    for i, prompt in enumerate(_chat_prompts(rng, 2000)):
+        tree.insert(prompt, f"w{i % 2}")
+    assert 3000 - 250 < tree.size_chars <= 3000
+
+
+def test_prefix_tree_is_invisible_to_the_cyclic_garbage_collector() -> None:
+    """A full collection walks every tracked object: with one object per node a full tree made each
+    one stop the router's loop for ~100 ms. The tree's nodes are plain strings, ints and dicts of them,
+    which CPython does not track."""
+    tree = ApproximatePrefixTree()
+    prompts = _chat_prompts(random.Random(3), 2000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, prompt in enumerate(prompts):
+        tree.insert(prompt, f"w{i % 2}")
+    gc.collect()
+    assert tree.match(prompts[-1]).matched_chars == len(prompts[-1])
+    assert len(gc.get_objects()) - before < 50  # with a node object per node: thousands
 
 
 def _workers(*loads: int) -> list[Worker]:

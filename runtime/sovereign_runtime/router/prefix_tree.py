@@ -3,22 +3,23 @@
 The router cannot see a worker's real KV cache, so it remembers which worker received which prompt
 text and assumes the worker still holds that prefix. Entries age out by LRU when the tree grows past its
 character budget, just as the worker's own cache evicts old prefixes.
+
+This runs on the router's one event loop, so nothing may walk the whole tree per request: eviction
+takes leaves from a heap kept as the tree changes (an insert over the budget evicts about one leaf), and
+nodes are numbers into parallel lists that hold only strings, ints and dicts of them. CPython's cyclic
+garbage collector does not track such dicts, so a collection never walks the tree: with a node object
+per node, a full tree (2M characters, ~100,000 nodes) made every full collection stop the router's
+event loop for ~120 ms.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-@dataclass
-class _Node:
-    key: str = ""
-    children: dict[str, _Node] = field(default_factory=dict)
-    parent: _Node | None = None
-    # worker -> logical time it last used this node
-    workers: dict[str, int] = field(default_factory=dict)
+ROOT = 0
+FREE = -1  # the parent of a slot no node uses
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,20 @@ class PrefixMatch:
 
 class ApproximatePrefixTree:
     def __init__(self, max_chars: int = 2_000_000) -> None:
-        self._root = _Node()
+        # Node n: the edge text leading to it, its parent, its children by their first character, and
+        # the workers that used it with the logical time they last did.
+        self._key: list[str] = [""]
+        self._parent: list[int] = [FREE]
+        self._children: list[dict[str, int]] = [{}]
+        self._workers: list[dict[str, int]] = [{}]
+        self._free: list[int] = []
+        # Eviction candidates: (a time no later than the node's oldest worker time, node), at most one
+        # entry per node (`_queued`); every leaf but the root has one. Stale entries are fixed when they
+        # surface: an inner node's is dropped (it is queued again when it becomes a leaf), a leaf used
+        # since is pushed back under its oldest time. Only leaves whose entry surfaced are detached
+        # here (remove_worker queues afresh), so a freed slot has no entry to pass on.
+        self._heap: list[tuple[int, int]] = []
+        self._queued = bytearray(1)
         self._clock = itertools.count(1)
         self._chars = 0
         self.max_chars = max_chars
@@ -38,111 +52,150 @@ class ApproximatePrefixTree:
     def size_chars(self) -> int:
         return self._chars
 
+    @property
+    def node_count(self) -> int:
+        """Nodes in use, the root included."""
+        return len(self._key) - len(self._free)
+
     def insert(self, text: str, worker: str) -> None:
         now = next(self._clock)
-        node = self._root
-        node.workers[worker] = now
+        key_of, children_of, workers_of = self._key, self._children, self._workers
+        node = ROOT
+        workers_of[node][worker] = now
         rest = text
         while rest:
-            child = node.children.get(rest[0])
+            child = children_of[node].get(rest[0])
             if child is None:
-                child = _Node(key=rest, parent=node)
-                node.children[rest[0]] = child
+                child = self._new_node(rest, node, {worker: now})
+                children_of[node][rest[0]] = child
                 self._chars += len(rest)
-                child.workers[worker] = now
+                self._queue(child, now)
                 break
-            common = _common_prefix_len(child.key, rest)
-            if common < len(child.key):
+            key = key_of[child]
+            common = _common_prefix_len(key, rest)
+            if common < len(key):
                 child = self._split(child, common)
-            child.workers[worker] = now
+            workers_of[child][worker] = now
             node, rest = child, rest[common:]
         if self._chars > self.max_chars:
             self._evict()
 
     def match(self, text: str, alive: set[str] | None = None) -> PrefixMatch:
         """The worker holding the longest prefix of `text` (most recent on ties), among `alive` ones."""
-        node, rest, matched = self._root, text, 0
+        key_of, children_of, workers_of = self._key, self._children, self._workers
+        node, rest, matched = ROOT, text, 0
         best = PrefixMatch(None, 0)
         while rest:
-            child = node.children.get(rest[0])
+            child = children_of[node].get(rest[0])
             if child is None:
                 break
-            common = _common_prefix_len(child.key, rest)
+            key = key_of[child]
+            common = _common_prefix_len(key, rest)
             latest, latest_time = None, -1
-            for worker, used in child.workers.items():
+            for worker, used in workers_of[child].items():
                 if used > latest_time and (alive is None or worker in alive):
                     latest, latest_time = worker, used
             if latest is None:
                 break
             matched += common
             best = PrefixMatch(latest, matched)
-            if common < len(child.key):
+            if common < len(key):
                 break
             node, rest = child, rest[common:]
         return best
 
     def remove_worker(self, worker: str) -> None:
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            node.workers.pop(worker, None)
-            stack.extend(node.children.values())
-        self._prune(self._root)
+        """Forget `worker` everywhere (it left the pool). One walk of the whole tree: membership
+        changes are rare, requests never come here."""
+        order = self._nodes_top_down()
+        for node in order:
+            self._workers[node].pop(worker, None)
+        # Children before parents: a parent whose last child goes may become empty in turn.
+        leaves = []
+        for node in reversed(order):
+            if node == ROOT or self._children[node]:
+                continue
+            if self._workers[node]:
+                leaves.append(node)
+            else:
+                self._detach(node)
+        # Every remaining leaf's oldest time may have moved: queue them afresh.
+        self._heap = [(min(self._workers[leaf].values()), leaf) for leaf in leaves]
+        heapq.heapify(self._heap)
+        self._queued = bytearray(len(self._key))
+        for leaf in leaves:
+            self._queued[leaf] = 1
 
-    def _split(self, child: _Node, at: int) -> _Node:
-        parent = child.parent
-        assert parent is not None
-        head = _Node(key=child.key[:at], parent=parent, workers=dict(child.workers))
-        parent.children[head.key[0]] = head
-        child.key = child.key[at:]
-        child.parent = head
-        head.children[child.key[0]] = child
+    def _new_node(self, key: str, parent: int, workers: dict[str, int]) -> int:
+        if self._free:
+            node = self._free.pop()
+            self._key[node], self._parent[node], self._workers[node] = key, parent, workers
+            self._children[node] = {}
+            return node
+        self._key.append(key)
+        self._parent.append(parent)
+        self._children.append({})
+        self._workers.append(workers)
+        self._queued.append(0)
+        return len(self._key) - 1
+
+    def _queue(self, node: int, oldest: int) -> None:
+        if not self._queued[node]:
+            self._queued[node] = 1
+            heapq.heappush(self._heap, (oldest, node))
+
+    def _split(self, child: int, at: int) -> int:
+        """Put a node for the first `at` characters of `child`'s edge above it; return that node."""
+        parent, key = self._parent[child], self._key[child]
+        head = self._new_node(key[:at], parent, dict(self._workers[child]))
+        self._children[parent][key[0]] = head
+        self._key[child] = key[at:]
+        self._parent[child] = head
+        self._children[head][key[at]] = child
         return head
 
     def _evict(self) -> None:
-        # Drop the least recently used (leaf, worker) pairs until the tree is back under 90 % of its
-        # budget: one walk and a heap of leaves, not a walk per evicted entry. A leaf that lost its last
-        # worker is detached, and its parent becomes a leaf in turn.
-        target = int(self.max_chars * 0.9)
-        heap = [
-            (min(n.workers.values(), default=0), id(n), n)
-            for n in self._iter_nodes()
-            if not n.children and n is not self._root
-        ]
-        heapq.heapify(heap)
-        while self._chars > target and heap:
-            used, _, leaf = heapq.heappop(heap)
-            if leaf.children or leaf.parent is None or min(leaf.workers.values(), default=0) != used:
-                continue  # stale: it gained children or a newer user since it was pushed
-            oldest = min(leaf.workers, key=leaf.workers.__getitem__, default=None)
-            if oldest is not None:
-                del leaf.workers[oldest]
-            if leaf.workers:
-                heapq.heappush(heap, (min(leaf.workers.values()), id(leaf), leaf))
+        """Drop least recently used (leaf, worker) pairs until the tree is within its budget. A leaf
+        that lost its last worker is detached, and its parent becomes a leaf in turn."""
+        heap, queued = self._heap, self._queued
+        parent_of, children_of, workers_of = self._parent, self._children, self._workers
+        while self._chars > self.max_chars and heap:
+            entry_time, node = heap[0]
+            if children_of[node]:
+                heapq.heappop(heap)  # an inner node now: not a candidate until it is a leaf again
+                queued[node] = 0
                 continue
-            parent = leaf.parent
-            self._detach(leaf)
-            leaf.parent = None
-            if parent is not self._root and not parent.children:
-                heapq.heappush(heap, (min(parent.workers.values(), default=0), id(parent), parent))
+            workers = workers_of[node]
+            oldest = min(workers, key=workers.__getitem__)
+            if workers[oldest] != entry_time:
+                heapq.heapreplace(heap, (workers[oldest], node))  # used since it was queued
+                continue
+            del workers[oldest]
+            if workers:
+                heapq.heapreplace(heap, (min(workers.values()), node))
+                continue
+            heapq.heappop(heap)
+            queued[node] = 0
+            parent = parent_of[node]
+            self._detach(node)
+            if parent != ROOT and not children_of[parent]:
+                self._queue(parent, min(workers_of[parent].values()))
 
-    def _prune(self, node: _Node) -> None:
-        for child in list(node.children.values()):
-            self._prune(child)
-            if not child.workers and not child.children:
-                self._detach(child)
+    def _detach(self, node: int) -> None:
+        key = self._key[node]
+        del self._children[self._parent[node]][key[0]]
+        self._chars -= len(key)
+        self._key[node], self._parent[node] = "", FREE
+        self._children[node], self._workers[node] = {}, {}
+        self._free.append(node)
 
-    def _detach(self, node: _Node) -> None:
-        assert node.parent is not None
-        del node.parent.children[node.key[0]]
-        self._chars -= len(node.key)
-
-    def _iter_nodes(self) -> list[_Node]:
-        out, stack = [], [self._root]
+    def _nodes_top_down(self) -> list[int]:
+        """Every node in use, each after its parent."""
+        out, stack = [], [ROOT]
         while stack:
             node = stack.pop()
             out.append(node)
-            stack.extend(node.children.values())
+            stack.extend(self._children[node].values())
         return out
 
 
