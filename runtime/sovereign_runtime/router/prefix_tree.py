@@ -19,7 +19,6 @@ import itertools
 from dataclasses import dataclass
 
 ROOT = 0
-FREE = -1  # the parent of a slot no node uses
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class ApproximatePrefixTree:
         # Node n: the edge text leading to it, its parent, its children by their first character, and
         # the workers that used it with the logical time they last did.
         self._key: list[str] = [""]
-        self._parent: list[int] = [FREE]
+        self._parent: list[int] = [-1]  # the root has no parent
         self._children: list[dict[str, int]] = [{}]
         self._workers: list[dict[str, int]] = [{}]
         self._free: list[int] = []
@@ -128,9 +127,8 @@ class ApproximatePrefixTree:
 
     def _new_node(self, key: str, parent: int, workers: dict[str, int]) -> int:
         if self._free:
-            node = self._free.pop()
+            node = self._free.pop()  # a detached leaf: its children dict is empty
             self._key[node], self._parent[node], self._workers[node] = key, parent, workers
-            self._children[node] = {}
             return node
         self._key.append(key)
         self._parent.append(parent)
@@ -185,8 +183,7 @@ class ApproximatePrefixTree:
         key = self._key[node]
         del self._children[self._parent[node]][key[0]]
         self._chars -= len(key)
-        self._key[node], self._parent[node] = "", FREE
-        self._children[node], self._workers[node] = {}, {}
+        self._key[node], self._workers[node] = "", {}  # let the text go now, not at reuse
         self._free.append(node)
 
     def _nodes_top_down(self) -> list[int]:
